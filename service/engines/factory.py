@@ -1,0 +1,40 @@
+"""create_engine: pick the engine for a model and a device request."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..errors import EngineUnavailable, InvalidInput
+from ..repository import PackedModel
+from .base import Engine
+
+log = logging.getLogger("rnnserve.engines")
+DEVICES = ("cpu", "cuda", "auto")
+
+
+def create_engine(model: PackedModel, device: str = "cpu", **options: Any) -> Engine:
+    """Return an engine for ``model``: "cpu" (reference), "cuda" (cuDNN) or "auto".
+
+    "auto" takes cuDNN when a GPU and cuDNN work and the model has no variant cuDNN
+    cannot run; otherwise it falls back to the reference engine and logs why.
+    """
+    if device not in DEVICES:
+        raise InvalidInput(f"device '{device}' is not known; use one of {', '.join(DEVICES)}")
+    if device == "cpu":
+        from .reference import ReferenceEngine
+
+        return ReferenceEngine(model, **{k: v for k, v in options.items() if k == "dtype"})
+    try:
+        from .cudnn import CudnnEngine
+    except ImportError as exc:
+        if device == "cuda":
+            raise EngineUnavailable(f"the cuDNN engine is not available: {exc}") from exc
+        log.info("device auto: cuDNN engine unavailable (%s); using the reference engine", exc)
+        return create_engine(model, "cpu")
+    try:
+        return CudnnEngine(model, **options)
+    except EngineUnavailable as exc:
+        if device == "cuda":
+            raise
+        log.warning("device auto: model '%s' runs on the reference engine: %s", model.name or "?", exc)
+        return create_engine(model, "cpu")

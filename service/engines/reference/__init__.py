@@ -1,0 +1,4 @@
+"""The NumPy reference engine."""
+from .engine import ReferenceEngine
+
+__all__ = ["ReferenceEngine"]

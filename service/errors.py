@@ -1,0 +1,87 @@
+"""One exception hierarchy for rnnserve; every error carries its status.
+
+Transports map ``status`` to HTTP and gRPC codes through one table
+(:data:`STATUS_TABLE`), so no route or RPC can forget an error kind.
+"""
+from __future__ import annotations
+
+
+class RNNServeError(Exception):
+    """Base of every error rnnserve raises on purpose; ``status`` names its kind."""
+
+    status: str = "INTERNAL"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidInput(RNNServeError):
+    """The caller sent something wrong (shape, dtype, value, file); the message says what to change."""
+
+    status = "INVALID_ARGUMENT"
+
+
+class NotFound(RNNServeError):
+    """A model, version, stream or tensor that does not exist."""
+
+    status = "NOT_FOUND"
+
+
+class Unavailable(RNNServeError):
+    """Temporarily unable: queue full, model not ready, stream limit reached."""
+
+    status = "UNAVAILABLE"
+
+
+class DeadlineExceeded(RNNServeError):
+    """The request's own timeout passed before it could run."""
+
+    status = "DEADLINE_EXCEEDED"
+
+
+class ConversionError(InvalidInput):
+    """A source file could not be converted; the message names the problem and the fix."""
+
+
+class VerificationError(RNNServeError):
+    """The converted model does not reproduce the source framework's output."""
+
+    status = "INTERNAL"
+
+
+class EngineUnavailable(RNNServeError):
+    """An engine cannot run on this machine or cannot run this model (named variant)."""
+
+    status = "UNAVAILABLE"
+
+
+class MissingDependency(RNNServeError):
+    """An optional framework is needed for this step; the message names the extra to install."""
+
+    status = "FAILED_PRECONDITION"
+
+
+# status -> (HTTP code, gRPC status code name)
+STATUS_TABLE: dict[str, tuple[int, str]] = {
+    "INVALID_ARGUMENT": (400, "INVALID_ARGUMENT"),
+    "NOT_FOUND": (404, "NOT_FOUND"),
+    "UNAVAILABLE": (503, "UNAVAILABLE"),
+    "DEADLINE_EXCEEDED": (504, "DEADLINE_EXCEEDED"),
+    "FAILED_PRECONDITION": (400, "FAILED_PRECONDITION"),
+    "RESOURCE_EXHAUSTED": (413, "RESOURCE_EXHAUSTED"),
+    "INTERNAL": (500, "INTERNAL"),
+}
+
+
+def require_module(module: str, extra: str, purpose: str):
+    """Import an optional framework, or raise MissingDependency naming the pip extra to install."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingDependency(
+            f"{purpose} needs the '{module}' package, which is not installed: "
+            f"pip install 'rnnserve[{extra}]' ({exc})"
+        ) from exc

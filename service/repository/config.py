@@ -1,0 +1,58 @@
+"""Per-model serving settings: REPO/<name>/config.json.
+
+Every field has a default, so a model folder without config.json serves as is.
+Unknown keys are refused so a typo does not silently fall back to a default.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import InvalidInput
+
+
+class ModelConfig(BaseModel):
+    """Serving settings of one model (all optional in config.json)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_batch_size: int = Field(64, ge=1, le=65536, description="Most sequences the scheduler runs in one engine call.")
+    max_queue_delay_us: int = Field(
+        500, ge=0, le=10_000_000, description="How long the first waiting request may wait for others to batch with, in µs."
+    )
+    max_queue_size: int = Field(
+        1024, ge=1, description="Requests waiting at most; more are refused at once with UNAVAILABLE (503)."
+    )
+    max_sequence_length: int = Field(100_000, ge=1, description="Longest T accepted per request.")
+    precision: Literal["float32", "float16", "bfloat16"] = Field(
+        "float32", description="Data type the engine computes in (GPU engine; the CPU engine computes in float32)."
+    )
+    allow_tf32: bool = Field(False, description="Let the cuDNN engine use TF32 tensor cores for float32 models.")
+    version_policy: Literal["latest", "all"] | list[int] = Field(
+        "latest", description="Which versions to serve: 'latest', 'all' or a list of version numbers."
+    )
+    max_streams: int = Field(1024, ge=1, description="Live stateful streams at most; more are refused with UNAVAILABLE.")
+    stream_idle_timeout_s: float = Field(
+        60.0, gt=0, description="A stream with no chunk for this long is dropped with its state."
+    )
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    """Read ``model_dir/config.json`` (defaults when absent); errors name the field to fix."""
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        return ModelConfig()
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise InvalidInput(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InvalidInput(f"{path} must hold a JSON object of settings")
+    try:
+        return ModelConfig(**data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise InvalidInput(f"{path}: {problems}") from exc

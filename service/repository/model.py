@@ -1,0 +1,139 @@
+"""PackedModel: a converted model (spec, one canonical buffer per block, extras, provenance).
+
+On disk it is ``REPO/<name>/<version>/model.safetensors``: tensors ``block{k}.weights``
+(flat canonical buffer) and ``block{k}.<extra>`` (e.g. ``block0.peephole``), with the
+spec and provenance as JSON in the string metadata. No pickle anywhere.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidInput, NotFound
+from ..packing import block_param_count
+from ..spec import RNNSpec
+from .config import ModelConfig, load_config
+from .safetensors_io import load_tensors, save_tensors
+
+FORMAT_VERSION = "1"
+STORAGE_DTYPES = ("float32", "float16", "bfloat16")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+@dataclass
+class PackedModel:
+    """A model in cuDNN's canonical packed layout, ready to save or to hand to an engine."""
+
+    spec: RNNSpec
+    weights: list[np.ndarray]
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
+    provenance: dict[str, Any] = field(default_factory=dict)
+    storage_dtype: str = "float32"
+    config: ModelConfig = field(default_factory=ModelConfig)
+    name: str = ""
+    version: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.weights) != len(self.spec.blocks):
+            raise InvalidInput(f"model has {len(self.spec.blocks)} blocks but {len(self.weights)} weight buffers")
+        for k, (blk, w) in enumerate(zip(self.spec.blocks, self.weights)):
+            need = block_param_count(blk)
+            if np.asarray(w).shape != (need,):
+                raise InvalidInput(f"block {k} buffer has shape {np.asarray(w).shape}, its spec needs ({need},)")
+            if blk.variant.get("peephole") and f"block{k}.peephole" not in self.extras:
+                raise InvalidInput(f"block {k} is an LSTM with peepholes but the model has no 'block{k}.peephole'")
+
+    @property
+    def parameter_count(self) -> int:
+        """Parameters in all blocks and extras."""
+        return sum(int(w.size) for w in self.weights) + sum(int(v.size) for v in self.extras.values())
+
+    def block_extras(self, k: int) -> dict[str, np.ndarray]:
+        """Extras of block k by short name (``peephole``, ...)."""
+        prefix = f"block{k}."
+        return {n[len(prefix):]: v for n, v in self.extras.items() if n.startswith(prefix)}
+
+    def save(self, repository: str | Path, name: str, version: int = 1, dtype: str | None = None) -> Path:
+        """Write ``repository/name/version/model.safetensors`` (and a default config.json if none); return it."""
+        if not _NAME_RE.match(name):
+            raise InvalidInput(
+                f"model name '{name}' is not allowed: use letters, digits, '_', '-', '.' (max 128), starting alphanumeric"
+            )
+        if int(version) < 1:
+            raise InvalidInput(f"version must be >= 1, got {version}")
+        dtype = dtype or self.storage_dtype
+        if dtype not in STORAGE_DTYPES:
+            raise InvalidInput(f"dtype '{dtype}' is not supported; use one of {', '.join(STORAGE_DTYPES)}")
+        model_dir = Path(repository) / name
+        vdir = model_dir / str(int(version))
+        vdir.mkdir(parents=True, exist_ok=True)
+        np_dtype = np.float16 if dtype == "float16" else np.float32
+        tensors = {f"block{k}.weights": np.asarray(w, dtype=np.float32).astype(np_dtype) for k, w in enumerate(self.weights)}
+        tensors.update({n: np.asarray(v, dtype=np.float32).astype(np_dtype) for n, v in self.extras.items()})
+        bf16 = frozenset(tensors) if dtype == "bfloat16" else frozenset()
+        metadata = {
+            "rnnserve.format_version": FORMAT_VERSION,
+            "rnnserve.spec": self.spec.to_json(),
+            "rnnserve.provenance": json.dumps(self.provenance, sort_keys=True),
+            "rnnserve.dtype": dtype,
+        }
+        out = vdir / "model.safetensors"
+        save_tensors(out, tensors, metadata, bfloat16=bf16)
+        config = model_dir / "config.json"
+        if not config.exists():
+            config.write_text(json.dumps(ModelConfig().model_dump(), indent=2) + "\n")
+        return out
+
+
+def model_versions(model_dir: Path) -> list[int]:
+    """Version numbers present under ``model_dir`` (folders named by integers holding model.safetensors)."""
+    if not model_dir.is_dir():
+        return []
+    return sorted(int(p.name) for p in model_dir.iterdir()
+                  if p.is_dir() and p.name.isdigit() and (p / "model.safetensors").exists())
+
+
+def resolve_model_path(path: str | Path) -> tuple[Path, int]:
+    """Turn ``REPO/NAME`` (latest version) or ``REPO/NAME/V`` into (model_dir, version)."""
+    path = Path(path)
+    if path.is_file() and path.name == "model.safetensors":
+        path = path.parent
+    if path.name.isdigit() and (path / "model.safetensors").exists():
+        return path.parent, int(path.name)
+    versions = model_versions(path)
+    if not versions:
+        if not path.exists():
+            raise NotFound(f"no model at '{path}': expected REPO/NAME or REPO/NAME/VERSION")
+        raise NotFound(f"'{path}' holds no version folder with a model.safetensors (e.g. {path}/1/model.safetensors)")
+    return path, versions[-1]
+
+
+def load_model(path: str | Path, version: int | None = None) -> PackedModel:
+    """Load ``REPO/NAME`` (latest version), ``REPO/NAME/V``, or the given ``version``."""
+    model_dir, latest = resolve_model_path(path)
+    version = latest if version is None else int(version)
+    file = model_dir / str(version) / "model.safetensors"
+    if not file.exists():
+        raise NotFound(f"model '{model_dir.name}' has no version {version} (have {model_versions(model_dir)})")
+    tensors, metadata, stored = load_tensors(file)
+    if metadata.get("rnnserve.format_version") != FORMAT_VERSION or "rnnserve.spec" not in metadata:
+        raise InvalidInput(f"{file} was not written by rnnserve convert (no rnnserve metadata); convert the source model")
+    try:
+        spec = RNNSpec.from_json(metadata["rnnserve.spec"])
+        provenance = json.loads(metadata.get("rnnserve.provenance", "{}"))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InvalidInput(f"{file}: corrupt spec metadata ({exc}); convert the model again") from exc
+    weights = []
+    for k in range(len(spec.blocks)):
+        key = f"block{k}.weights"
+        if key not in tensors:
+            raise InvalidInput(f"{file} has no tensor '{key}'; convert the model again")
+        weights.append(np.asarray(tensors.pop(key), dtype=np.float32))
+    extras = {n: np.asarray(v, dtype=np.float32) for n, v in tensors.items()}
+    return PackedModel(spec, weights, extras, provenance, metadata.get("rnnserve.dtype", "float32"),
+                       load_config(model_dir), model_dir.name, version)
