@@ -1,0 +1,130 @@
+"""The `rnnserve` command: convert, inspect, serve."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from . import __version__
+from .errors import RNNServeError
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .loaders import convert
+
+    options = {}
+    if args.recurrent_activation:
+        options["recurrent_activation"] = args.recurrent_activation
+    model = convert(args.source, format=args.format, select=args.select, cell=args.cell,
+                    verify=not args.no_verify, **options)
+    out = model.save(args.repository, args.name, args.version, dtype=args.dtype)
+    prov = model.provenance
+    print(f"converted {prov['source']} ({prov['format']}, selection: {', '.join(prov['selection']) or '-'})")
+    for note in prov.get("notes", []):
+        print(f"note: {note}")
+    for k, blk in enumerate(model.spec.blocks):
+        variant = f", variant {', '.join(blk.variant_names)}" if blk.variant_names else ""
+        print(f"block {k}: {blk.cell} I={blk.input_size} H={blk.hidden_size}"
+              f"{f' proj={blk.proj_size}' if blk.proj_size else ''} layers={blk.num_layers} "
+              f"{'bidirectional' if blk.bidirectional else 'unidirectional'}{variant}")
+    ver = prov.get("verification", {})
+    if ver.get("checked"):
+        print(f"verified against {prov['format']}: max abs difference {ver['max_abs_diff']:.3g} "
+              f"on a probe batch (lengths {ver['probe']['lengths']})")
+    else:
+        print(f"not verified: {ver.get('reason', 'verification disabled')}")
+    print(f"wrote {out} ({model.parameter_count} parameters, {args.dtype})")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .engines import create_engine
+    from .packing import block_layout, block_param_count
+    from .repository import load_model
+
+    model = load_model(args.model)
+    info = {
+        "name": model.name, "version": model.version, "storage_dtype": model.storage_dtype,
+        "parameters": model.parameter_count, "provenance": model.provenance,
+        "blocks": [b.to_dict() for b in model.spec.blocks], "config": model.config.model_dump(),
+    }
+    engine_info = None
+    if args.device:
+        engine = create_engine(model, args.device)
+        engine_info = engine.describe()
+        info["engine"] = engine_info
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    print(f"model {model.name} version {model.version}: {model.parameter_count} parameters, stored {model.storage_dtype}")
+    print(f"source: {model.provenance.get('source')} ({model.provenance.get('format')}), "
+          f"sha256 {str(model.provenance.get('sha256', ''))[:16]}..., {model.provenance.get('converter')}")
+    for k, blk in enumerate(model.spec.blocks):
+        print(f"\nblock {k}: cell={blk.cell} input_size={blk.input_size} hidden_size={blk.hidden_size} "
+              f"proj_size={blk.proj_size} num_layers={blk.num_layers} bidirectional={blk.bidirectional} "
+              f"variant={blk.variant or '-'}  ({block_param_count(blk)} floats)")
+        print(f"  {'kind':<7}{'pseudo':>7}{'layer':>6}{'dir':>4}{'id':>4}  {'name':<8}{'shape':<12}{'offset':>10}")
+        for e in block_layout(blk):
+            layer, d = divmod(e.pseudo_layer, blk.directions)
+            shape = "x".join(map(str, e.shape))
+            print(f"  {e.kind:<7}{e.pseudo_layer:>7}{layer:>6}{d:>4}{e.lin_id:>4}  {e.describe(blk.cell):<8}{shape:<12}{e.offset:>10}")
+        for name, arr in model.block_extras(k).items():
+            print(f"  extra {name}: shape {list(arr.shape)}")
+    if engine_info is not None:
+        print(f"\nengine: {json.dumps(engine_info, indent=2, default=str)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for `rnnserve` (serve's flags come from the settings class)."""
+    parser = argparse.ArgumentParser(prog="rnnserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"rnnserve {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    conv = sub.add_parser("convert", help="convert a PyTorch/Keras/ONNX file into the model repository")
+    conv.add_argument("source", type=Path, help="model file: .pt .pth .safetensors TorchScript .keras .h5 .onnx")
+    conv.add_argument("--name", required=True, help="model name in the repository")
+    conv.add_argument("--repository", type=Path, default=Path("models"), help="model repository (default ./models)")
+    conv.add_argument("--version", type=int, default=1, help="version number (default 1)")
+    conv.add_argument("--format", choices=["auto", "torch", "keras", "onnx"], default="auto")
+    conv.add_argument("--select", help="submodule prefix (torch), layer names (keras) or node names (onnx), comma separated")
+    conv.add_argument("--cell", choices=["lstm", "gru", "rnn_tanh", "rnn_relu"],
+                      help="cell type where the shapes cannot tell (rnn_relu vs rnn_tanh)")
+    conv.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                      help="storage precision of the weights (default float32)")
+    conv.add_argument("--recurrent-activation", choices=["sigmoid", "hard_sigmoid"],
+                      help="Keras weights-only files: override the assumed recurrent activation")
+    conv.add_argument("--no-verify", action="store_true", help="skip running the source framework on a probe input")
+    conv.set_defaults(func=_convert)
+
+    insp = sub.add_parser("inspect", help="show a converted model: spec, blocks, parameter count, layout table")
+    insp.add_argument("model", help="REPO/NAME (latest version) or REPO/NAME/VERSION")
+    insp.add_argument("--device", choices=["cpu", "cuda", "auto"], help="also build the engine and show its facts")
+    insp.add_argument("--json", action="store_true", help="print JSON")
+    insp.set_defaults(func=_inspect)
+
+    srv = sub.add_parser("serve", help="serve a model repository over REST and gRPC", add_help=False)
+    srv.set_defaults(func=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `rnnserve` console script."""
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if argv and argv[0] == "serve":
+        from .app import serve_main
+
+        return serve_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except RNNServeError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
