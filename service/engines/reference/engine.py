@@ -69,7 +69,8 @@ class ReferenceEngine(Engine):
                     prm = params[layer * d_count + d]
                     backwards = d == 1 or bool(blk.variant.get("reverse"))
                     inp = reverse_within_lengths(seq, lens_sorted) if backwards else seq
-                    xp = inp @ prm.wt
+                    # One 2-D GEMM for every step: a 3-D matmul would loop over T in NumPy.
+                    xp = (inp.reshape(t * b, -1) @ prm.wt).reshape(t, b, -1)
                     xp += prm.bias_x
                     hs = np.zeros((b, ho), self.dtype) if h0s is None else h0s[:, row].copy()
                     cs = None
