@@ -1,0 +1,125 @@
+"""PyTorch loader: state dicts (.pt/.pth/.bin), TorchScript archives and .safetensors files.
+
+``load_torch`` reads the file (:mod:`.torch_files`), finds its recurrent modules
+by tensor names (:mod:`.torch_modules`), takes the one asked for, and returns
+one :class:`RecurrentLayer` per torch layer. Choosing a module:
+
+- no ``select``: the file must hold exactly one recurrent module; with several,
+  the error lists them (prefix, cell, sizes) and asks for ``--select``;
+- ``select="encoder.rnn"``: the module whose tensors are ``encoder.rnn.weight_*``;
+  ``<root>`` names a module saved at the top level;
+- ``select="rnns.0,rnns.1"``: several modules stacked in that order (e.g. an
+  nn.ModuleList of single-layer LSTMs). A prefix that holds several modules is
+  refused rather than guessed, since an encoder and a decoder are not a stack.
+
+When torch is installed the returned runner rebuilds the selected modules as
+nn.LSTM/nn.GRU/nn.RNN (batch_first, float64 so that verification measures the
+weight mapping, not fp32 rounding) and runs them on packed sequences.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConversionError
+from .source import LoadedSource, SourceRunner
+from .torch_files import TensorFile, read_torch_file
+from .torch_modules import ROOT, TorchRNN, describe_module, display, find_modules, normalize_cell
+
+
+def load_torch(path: Path, select: str | None = None, cell: str | None = None, **options: Any) -> LoadedSource:
+    """Read a PyTorch weight file into canonical layers; see the module docstring for ``select``."""
+    if options:
+        raise ConversionError(f"the PyTorch loader takes no option(s) {', '.join(sorted(options))}; "
+                              f"it knows select and cell")
+    normalize_cell(cell)  # an unknown --cell fails before the file is read
+    path = Path(path)
+    tf = read_torch_file(path)
+    modules = _select(tf, path, select, cell)
+    layers = [layer for module in modules for layer in module.layers(tf)]
+    notes = [note for module in modules for note in module.notes]
+    if tf.checkpoint_key:
+        notes.insert(0, "took the state dict from checkpoint" + "".join(f"['{k}']" for k in tf.checkpoint_key))
+    details = {"torch": {"file": tf.kind, "modules": [m.label() for m in modules]}}
+    return LoadedSource("torch", layers, [display(m.prefix) for m in modules], notes,
+                        runner=_runner(modules, tf), ragged_ok=True, details=details)
+
+
+def _select(tf: TensorFile, path: Path, select: str | None, cell: str | None) -> list[TorchRNN]:
+    prefixes = find_modules(tf)
+    if not prefixes:
+        sample = ", ".join(f"'{n}'" for n in list(tf.shapes)[:5]) or "none"
+        raise ConversionError(
+            f"no recurrent weights in '{path.name}' ({len(tf.shapes)} tensors, e.g. {sample}): expected names of "
+            f"nn.LSTM/nn.GRU/nn.RNN parameters (weight_ih_l0, weight_hh_l0, ...) or of their cells (weight_ih, "
+            f"weight_hh). Save the state dict of the model that contains the recurrent layer")
+    if select is None or not select.strip():
+        if len(prefixes) == 1:
+            return [describe_module(tf, prefixes[0], cell)]
+        raise ConversionError(f"'{path.name}' holds {len(prefixes)} recurrent modules: {_candidates(tf, prefixes)}; "
+                              f"pass --select PREFIX to choose one")
+    chosen = []
+    for part in (p.strip().rstrip(".") for p in select.split(",")):
+        prefix = "" if part == ROOT else part
+        if prefix in prefixes:
+            chosen.append(describe_module(tf, prefix, cell))
+            continue
+        inside = [p for p in prefixes if p.startswith(prefix + ".")]
+        if inside:
+            raise ConversionError(
+                f"--select '{part}' holds {len(inside)} recurrent modules: {_candidates(tf, inside)}; pass one of "
+                f"them, or several separated by commas to stack them in that order")
+        if part in tf.shapes:
+            parent = part.rpartition(".")[0]
+            hint = f" '{display(parent)}'" if parent in prefixes else ""
+            raise ConversionError(f"--select '{part}' names a tensor, not a module; pass the module prefix{hint}")
+        has_tensors = any(n.startswith(prefix + ".") for n in tf.shapes)
+        what = "has tensors but no recurrent weights" if has_tensors else "matches no tensor in the file"
+        raise ConversionError(f"--select '{part}' {what}; recurrent modules in '{path.name}': "
+                              f"{_candidates(tf, prefixes)}")
+    return chosen
+
+
+def _candidates(tf: TensorFile, prefixes: list[str]) -> str:
+    out = []
+    for prefix in prefixes:
+        try:
+            out.append(describe_module(tf, prefix).label())
+        except ConversionError as exc:
+            out.append(f"'{display(prefix)}' (unreadable: {exc.message})")
+    return "; ".join(out)
+
+
+def _runner(modules: list[TorchRNN], tf: TensorFile) -> SourceRunner | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    nets = []
+    for module in modules:
+        kwargs = dict(input_size=module.input_size, hidden_size=module.hidden_size, num_layers=module.num_layers,
+                      bias=module.bias, batch_first=True, bidirectional=module.bidirectional, dtype=torch.float64)
+        if module.cell == "lstm":
+            net = torch.nn.LSTM(proj_size=module.proj_size, **kwargs)
+        elif module.cell == "gru":
+            net = torch.nn.GRU(**kwargs)
+        else:
+            net = torch.nn.RNN(nonlinearity=module.cell.removeprefix("rnn_"), **kwargs)
+        net.load_state_dict({k: torch.from_numpy(v) for k, v in module.torch_state_dict(tf).items()})
+        nets.append(net.eval())
+
+    def run(x: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+        steps = x.shape[1]
+        lens = torch.as_tensor(np.asarray(lengths, dtype=np.int64))
+        seq = torch.from_numpy(np.asarray(x, dtype=np.float64))
+        with torch.no_grad():
+            for net in nets:
+                packed = pack_padded_sequence(seq, lens, batch_first=True, enforce_sorted=False)
+                seq, _ = pad_packed_sequence(net(packed)[0], batch_first=True, total_length=steps)
+        return seq.numpy()
+
+    return run

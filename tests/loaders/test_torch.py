@@ -1,0 +1,401 @@
+"""The PyTorch loader: every file kind, module layout and bad input, checked against PyTorch's own output."""
+from __future__ import annotations
+
+import itertools
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import safetensors.torch  # noqa: E402
+
+import service  # noqa: E402
+from service.engines.reference import ReferenceEngine  # noqa: E402
+from service.errors import ConversionError, MissingDependency  # noqa: E402
+from service.loaders.torch_loader import load_torch  # noqa: E402
+from service.loaders.verify import ATOL, RTOL  # noqa: E402
+
+torch.set_num_threads(1)
+pytestmark = [pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning"),
+              pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")]
+nn = torch.nn
+I, H, T = 7, 13, 6
+CLASSES = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn_tanh": nn.RNN, "rnn_relu": nn.RNN}
+
+
+def make(cell, layers=1, bidir=False, proj=0, bias=True, i=I, h=H, seed=0):
+    torch.manual_seed(seed)
+    kw = {"proj_size": proj} if proj else {}
+    if cell.startswith("rnn"):
+        kw["nonlinearity"] = cell[4:]
+    return CLASSES[cell](i, h, num_layers=layers, bidirectional=bidir, bias=bias, batch_first=True, **kw).eval()
+
+
+def run_torch(mod, x, lengths=None, h0=None, c0=None):
+    """PyTorch's output, batch-first and zero-padded, with h_n/c_n as [B, L*D, *] (float64 if mod is double)."""
+    dtype = next(mod.parameters()).dtype
+    xt = torch.as_tensor(x, dtype=dtype)
+    state = None
+    if h0 is not None:
+        h = torch.as_tensor(h0, dtype=dtype).transpose(0, 1).contiguous()
+        state = (h, torch.as_tensor(c0, dtype=dtype).transpose(0, 1).contiguous()) if c0 is not None else h
+    with torch.no_grad():
+        if lengths is None:
+            y, hn = mod(xt, state)
+        else:
+            packed = nn.utils.rnn.pack_padded_sequence(xt, torch.as_tensor(lengths), batch_first=True,
+                                                       enforce_sorted=False)
+            y, hn = mod(packed, state)
+            y, _ = nn.utils.rnn.pad_packed_sequence(y, batch_first=True, total_length=x.shape[1])
+    h_n, c_n = hn if isinstance(hn, tuple) else (hn, None)
+    return y.numpy(), h_n.transpose(0, 1).numpy(), None if c_n is None else c_n.transpose(0, 1).numpy()
+
+
+def check(engine, mod, x, lengths=None, h0=None, c0=None, rtol=RTOL, atol=ATOL):
+    want = run_torch(mod, x, lengths, h0, c0)
+    got = engine.forward(x, lengths, h0, c0)
+    np.testing.assert_allclose(got.output, want[0], rtol=rtol, atol=atol)
+    np.testing.assert_allclose(got.h_n, want[1], rtol=rtol, atol=atol)
+    if want[2] is not None:
+        np.testing.assert_allclose(got.c_n, want[2], rtol=rtol, atol=atol)
+
+
+def states(mod, b, rng, dtype=np.float32):
+    rows = mod.num_layers * (2 if mod.bidirectional else 1)
+    ho = getattr(mod, "proj_size", 0) or mod.hidden_size
+    h0 = rng.standard_normal((b, rows, ho)).astype(dtype)
+    c0 = rng.standard_normal((b, rows, mod.hidden_size)).astype(dtype) if isinstance(mod, nn.LSTM) else None
+    return h0, c0
+
+
+def save_pt(tmp_path, state_dict, name="model.pt"):
+    path = tmp_path / name
+    torch.save(state_dict, path)
+    return path
+
+
+# --- numerics against PyTorch ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cell,layers,bidir", list(itertools.product(CLASSES, (1, 3), (False, True))))
+def test_state_dict_matches_torch(tmp_path, cell, layers, bidir):
+    mod = make(cell, layers, bidir)
+    model = service.convert(save_pt(tmp_path, mod.state_dict()), cell="rnn_relu" if cell == "rnn_relu" else None)
+    blk = model.spec.blocks[0]
+    assert (blk.cell, blk.input_size, blk.hidden_size, blk.num_layers, blk.bidirectional) == (cell, I, H, layers, bidir)
+    assert model.provenance["verification"]["checked"] is True
+    engine = service.create_engine(model, "cpu")
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, T, I)).astype(np.float32)
+    h0, c0 = states(mod, 3, rng)
+    ragged = np.array([T, 1, 4])
+    for lengths, with_state in itertools.product((None, ragged), (False, True)):
+        check(engine, mod, x, lengths, *((h0, c0) if with_state else (None, None)))
+
+
+@pytest.mark.parametrize("kind", ["pt", "legacy_pickle", "safetensors", "script", "trace", "checkpoint"])
+def test_file_kinds_tight_float64(tmp_path, kind):
+    mod = make("lstm", 2, True)
+    path = tmp_path / f"model.{'safetensors' if kind == 'safetensors' else 'pt'}"
+    if kind == "pt":
+        torch.save(mod.state_dict(), path)
+    elif kind == "legacy_pickle":
+        torch.save(mod.state_dict(), path, _use_new_zipfile_serialization=False)
+    elif kind == "safetensors":
+        safetensors.torch.save_file(mod.state_dict(), str(path))
+    elif kind == "script":
+        torch.jit.save(torch.jit.script(mod), str(path))
+    elif kind == "trace":
+        torch.jit.save(torch.jit.trace(mod, torch.randn(2, 3, I)), str(path))
+    else:
+        torch.save({"epoch": 3, "optimizer": {"lr": 0.1}, "model_state_dict": mod.state_dict()}, path)
+    model = service.convert(path)
+    if kind == "checkpoint":
+        assert "checkpoint['model_state_dict']" in model.provenance["notes"][0]
+    engine = ReferenceEngine(model, dtype=np.float64)
+    x = np.random.default_rng(2).standard_normal((5, T, I))
+    h0, c0 = states(mod, 5, np.random.default_rng(3), np.float64)
+    check(engine, mod.double(), x, np.array([2, T, 1, 5, 3]), h0, c0, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("bidir", [False, True])
+def test_projection_odd_batch_and_batch_one(tmp_path, bidir):
+    mod = make("lstm", 2, bidir, proj=5)
+    model = service.convert(save_pt(tmp_path, mod.state_dict()))
+    assert model.spec.blocks[0].proj_size == 5 and model.spec.output_size == (10 if bidir else 5)
+    engine = service.create_engine(model, "cpu")
+    rng = np.random.default_rng(4)
+    for b, lengths in ((5, np.array([T, 1, 3, T, 2])), (1, None), (1, np.array([1]))):
+        x = rng.standard_normal((b, T, I)).astype(np.float32)
+        h0, c0 = states(mod, b, rng)
+        check(engine, mod, x, lengths, h0, c0)
+        check(engine, mod, x, lengths)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_bias_false_gives_zero_biases(tmp_path, cell):
+    mod = make(cell, 2, True, bias=False)
+    assert not any("bias" in k for k in mod.state_dict())
+    model = service.convert(save_pt(tmp_path, mod.state_dict()))
+    assert "no bias" in model.provenance["torch"]["modules"][0]
+    x = np.random.default_rng(5).standard_normal((3, T, I)).astype(np.float32)
+    check(service.create_engine(model, "cpu"), mod, x, np.array([T, 1, 4]))
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn_tanh", "rnn_relu"])
+def test_cell_modules_are_one_layer_blocks(tmp_path, cell):
+    torch.manual_seed(6)
+    cls = {"lstm": nn.LSTMCell, "gru": nn.GRUCell}.get(cell, nn.RNNCell)
+    mod = cls(I, H, nonlinearity=cell[4:]) if cls is nn.RNNCell else cls(I, H)
+    model = service.convert(save_pt(tmp_path, {"decoder.cell." + k: v for k, v in mod.state_dict().items()}),
+                            cell=cell if cell == "rnn_relu" else None)
+    blk = model.spec.blocks[0]
+    assert (blk.cell, blk.num_layers, blk.bidirectional) == (cell, 1, False)
+    assert model.provenance["selection"] == ["decoder.cell"]
+    x = np.random.default_rng(7).standard_normal((3, T, I)).astype(np.float32)
+    state = None
+    outs = []
+    with torch.no_grad():  # unroll the cell: PyTorch's own step function is the reference
+        for t in range(T):
+            state = mod(torch.from_numpy(x[:, t]), state)
+            outs.append((state[0] if cell == "lstm" else state).numpy())
+    got = service.create_engine(model, "cpu").forward(x)
+    np.testing.assert_allclose(got.output, np.stack(outs, axis=1), rtol=RTOL, atol=ATOL)
+    if cell == "lstm":
+        np.testing.assert_allclose(got.c_n[:, 0], state[1].numpy(), rtol=RTOL, atol=ATOL)
+
+
+class Seq2Seq(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(8)
+        self.embed = nn.Embedding(20, I)
+        self.encoder = nn.GRU(I, H, batch_first=True, bidirectional=True)
+        self.decoder = nn.Module()
+        self.decoder.rnn = nn.LSTM(I, H, num_layers=2, batch_first=True)
+        self.decoder.head = nn.Linear(H, 20)
+
+
+def test_embedded_module_needs_select(tmp_path):
+    net = Seq2Seq()
+    path = save_pt(tmp_path, {"_model." + k: v for k, v in net.state_dict().items()})
+    with pytest.raises(ConversionError, match=r"holds 2 recurrent modules: '_model.encoder' \(nn.GRU: input 7, "
+                                              r"hidden 13, 1 layer, bidirectional\); '_model.decoder.rnn' \(nn.LSTM.*"
+                                              r"pass --select PREFIX"):
+        service.convert(path)
+    model = service.convert(path, select="_model.decoder.rnn")
+    assert model.provenance["selection"] == ["_model.decoder.rnn"]
+    assert (model.spec.blocks[0].cell, model.spec.blocks[0].num_layers) == ("lstm", 2)
+    x = np.random.default_rng(9).standard_normal((3, T, I)).astype(np.float32)
+    check(service.create_engine(model, "cpu"), net.decoder.rnn, x, np.array([1, T, 3]))
+    enc = service.convert(path, select="_model.encoder.")
+    check(service.create_engine(enc, "cpu"), net.encoder, x, np.array([1, T, 3]))
+
+
+def test_torchscript_submodule_keeps_relu(tmp_path):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(3, I)
+            self.rnn = make("rnn_relu", 2)
+
+        def forward(self, x):
+            return self.rnn(self.proj(x))[0]
+
+    net = Net()
+    path = tmp_path / "net.pt"
+    torch.jit.save(torch.jit.script(net), str(path))
+    model = service.convert(path)
+    assert model.spec.blocks[0].cell == "rnn_relu" and model.provenance["notes"] == []
+    x = np.random.default_rng(10).standard_normal((3, T, I)).astype(np.float32)
+    check(service.create_engine(model, "cpu"), net.rnn, x, np.array([T, 1, 2]))
+    with pytest.raises(ConversionError, match="--cell rnn_tanh contradicts the TorchScript module 'rnn'"):
+        service.convert(path, cell="rnn_tanh")
+
+
+def test_comma_select_stacks_modules_in_order(tmp_path):
+    torch.manual_seed(11)
+    rnns = nn.ModuleList([nn.LSTM(I, H, batch_first=True), nn.LSTM(H, H, batch_first=True)])
+    path = save_pt(tmp_path, {"rnns." + k: v for k, v in rnns.state_dict().items()})
+    with pytest.raises(ConversionError, match=r"--select 'rnns' holds 2 recurrent modules: 'rnns.0' .*'rnns.1' .*"
+                                              r"separated by commas"):
+        service.convert(path, select="rnns")
+    model = service.convert(path, select="rnns.0,rnns.1")
+    assert len(model.spec.blocks) == 1 and model.spec.blocks[0].num_layers == 2
+    x = np.random.default_rng(12).standard_normal((3, T, I)).astype(np.float32)
+    lengths = np.array([T, 1, 4])
+    y0 = run_torch(rnns[0], x, lengths)[0]
+    want = run_torch(rnns[1], y0, lengths)[0]
+    np.testing.assert_allclose(service.create_engine(model, "cpu").forward(x, lengths).output, want,
+                               rtol=RTOL, atol=ATOL)
+
+
+def test_bfloat16_safetensors_without_torch(tmp_path, monkeypatch):
+    mod = make("gru", 1, True)
+    path = tmp_path / "model.safetensors"
+    safetensors.torch.save_file({k: v.to(torch.bfloat16) for k, v in mod.state_dict().items()}, str(path))
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    monkeypatch.setitem(sys.modules, "torch", None)  # as on a serving box without torch
+    model = service.convert(path)
+    assert model.provenance["verification"] == {"checked": False, "reason": "torch framework not installed"}
+    with pytest.raises(MissingDependency, match=r"reading a PyTorch .pt/.pth file .*pip install 'rnnserve\[torch\]'"):
+        service.convert(save_pt(tmp_path, {}))  # torch.save works: the module object is already bound here
+    monkeypatch.undo()
+    x = np.random.default_rng(13).standard_normal((3, T, I)).astype(np.float32)
+    check(service.create_engine(model, "cpu"), mod, x, np.array([2, T, 1]))
+
+
+def test_repository_roundtrip(tmp_path):
+    mod = make("gru", 3, True)
+    model = service.convert(save_pt(tmp_path, mod.state_dict()))
+    model.save(tmp_path / "repo", "m", 1)
+    loaded = service.load_model(tmp_path / "repo" / "m")
+    assert loaded.spec == model.spec and loaded.provenance["selection"] == ["<root>"]
+    assert loaded.provenance["torch"]["file"] == "state dict"
+    x = np.random.default_rng(14).standard_normal((1, T, I)).astype(np.float32)
+    check(service.create_engine(loaded, "cpu"), mod, x, np.array([4]))
+
+
+# --- bad input --------------------------------------------------------------------------------------------
+
+
+def test_select_errors_list_candidates(tmp_path):
+    net = Seq2Seq()
+    path = save_pt(tmp_path, net.state_dict())
+    listing = (r"recurrent modules in 'model.pt': 'encoder' \(nn.GRU.*\); "
+               r"'decoder.rnn' \(nn.LSTM: input 7, hidden 13, 2 layers\)")
+    with pytest.raises(ConversionError, match=r"--select 'nope' matches no tensor in the file; " + listing):
+        service.convert(path, select="nope")
+    with pytest.raises(ConversionError, match=r"--select 'embed' has tensors but no recurrent weights; " + listing):
+        service.convert(path, select="embed")
+    with pytest.raises(ConversionError, match=r"'decoder.rnn.weight_ih_l0' names a tensor, not a module; pass the "
+                                              r"module prefix 'decoder.rnn'"):
+        service.convert(path, select="decoder.rnn.weight_ih_l0")
+
+
+@pytest.mark.parametrize("cell,given,match", [
+    ("lstm", "gru", r"--cell gru does not match 'weight_hh_l0' of shape \[52, 13\]: with hidden size 13 "
+                    r"that is an LSTM"),
+    ("gru", "rnn_relu", r"--cell rnn_relu does not match 'weight_hh_l0' of shape \[39, 13\].*a GRU"),
+    ("rnn_tanh", "lstm", r"--cell lstm does not match .*\[13, 13\].*an RNN"),
+    ("lstm", "peephole", r"--cell 'peephole' is not known; use one of lstm, gru, rnn_tanh, rnn_relu"),
+])
+def test_cell_contradicting_shapes(tmp_path, cell, given, match):
+    path = save_pt(tmp_path, make(cell).state_dict())
+    with pytest.raises(ConversionError, match=match):
+        service.convert(path, cell=given)
+
+
+def test_relu_rnn_state_dict_assumes_tanh_with_a_note(tmp_path):
+    model = service.convert(save_pt(tmp_path, make("rnn_relu").state_dict()), verify=False)
+    assert model.spec.blocks[0].cell == "rnn_tanh"
+    assert "pass --cell rnn_relu" in model.provenance["notes"][0]
+
+
+def _sd(**changes):
+    sd = dict(make("lstm", 2, True).state_dict())
+    for key, value in changes.items():
+        if value is None:
+            del sd[key]
+        else:
+            sd[key] = value
+    return sd
+
+
+BAD_STATE_DICTS = {
+    "unknown_tensor": (_sd(weight_hh_l0_raw=torch.zeros(52, 13)),
+                       r"tensor 'weight_hh_l0_raw' in module '<root>' is not a parameter of nn.LSTM/nn.GRU/nn.RNN"),
+    "missing_tensor": (_sd(bias_hh_l1_reverse=None), r"module '<root>' has no tensor 'bias_hh_l1_reverse'"),
+    "missing_layer": (_sd(**{k: None for k in _sd() if "_l0" in k}), r"has no tensor 'weight_ih_l0'"),
+    "inconsistent_layer": (_sd(weight_ih_l1=torch.zeros(52, 13)),
+                           r"tensor 'weight_ih_l1' has shape \[52, 13\], expected \[52, 26\] for LSTM with hidden size "
+                           r"13; layer 1 reads the 26 features of layer 0"),
+    "bad_bias": (_sd(bias_ih_l1=torch.zeros(40)), r"tensor 'bias_ih_l1' has shape \[40\], expected \[52\]"),
+    "unknown_cell_shape": (_sd(weight_hh_l0=torch.zeros(26, 13)),
+                           r"cannot tell the cell from 'weight_hh_l0' of shape \[26, 13\]: nn.LSTM, nn.GRU and nn.RNN "
+                           r"have 4H, 3H or H rows"),
+    "integer_tensor": (_sd(weight_ih_l0=torch.zeros(52, 7, dtype=torch.int64)),
+                       r"tensor 'weight_ih_l0' has dtype int64; recurrent weights must be floating point"),
+    "mixed_cell_and_stack": (_sd(weight_ih=torch.zeros(52, 7)), r"mixes cell names \(weight_ih\) with layer names"),
+    "no_rnn": ({"fc.weight": torch.zeros(3, 4)},
+               r"no recurrent weights in 'model.pt' \(1 tensors, e.g. 'fc.weight'\): expected names of nn.LSTM"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_STATE_DICTS))
+def test_bad_state_dicts(tmp_path, case):
+    sd, match = BAD_STATE_DICTS[case]
+    with pytest.raises(ConversionError, match=match):
+        service.convert(save_pt(tmp_path, sd))
+
+
+def test_parametrized_weights_are_refused(tmp_path):
+    mod = make("lstm")
+    nn.utils.parametrizations.weight_norm(mod, "weight_hh_l0")
+    with pytest.raises(ConversionError, match=r"module '<root>' has parametrized weights \('parametrizations.weight_hh"
+                                              r"_l0.original0'\): remove the parametrization"):
+        service.convert(save_pt(tmp_path, mod.state_dict()))
+
+
+def _onnx_bytes():
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    return helper.make_model(graph).SerializeToString()
+
+
+def _bad_files(tmp_path):
+    mod = make("lstm")
+    good = save_pt(tmp_path, mod.state_dict(), "good.pt").read_bytes()
+    torch.save(mod, tmp_path / "whole.pt")
+    safetensors.torch.save_file(mod.state_dict(), str(tmp_path / "good.safetensors"))
+    return {
+        "whole_module": ((tmp_path / "whole.pt").read_bytes(), "model.pt",
+                         r"'model.pt' holds pickled Python objects, not only tensors \(it contains torch.nn.modules.rnn"
+                         r".LSTM\); rnnserve does not run code from model files. Save the weights only: "
+                         r"torch.save\(model.state_dict\(\), 'model.pt'\)"),
+        "tensor_not_dict": (None, "model.pt", r"holds a Tensor, not a state dict; save the weights only"),
+        "truncated_pt": (good[: len(good) // 2], "model.pt", r"'model.pt' is a truncated or corrupt zip archive"),
+        "truncated_safetensors": ((tmp_path / "good.safetensors").read_bytes()[:-10], "model.safetensors",
+                                  r"'model.safetensors' is a truncated or corrupt safetensors file"),
+        "garbage_safetensors": (b"not a safetensors file at all", "model.safetensors",
+                                r"'model.safetensors' is not a valid safetensors file"),
+        "onnx_renamed": (_onnx_bytes(), "model.pt", r"'model.pt' is not a PyTorch file: it is an ONNX model; "
+                                                    r"convert it with --format onnx"),
+        "hdf5_renamed": (b"\x89HDF\r\n\x1a\n" + bytes(64), "model.pth", r"it is an HDF5 file \(Keras .h5\?\)"),
+        "empty": (b"", "model.pt", r"'model.pt' is empty \(0 bytes\); save the model again"),
+        "pickle_garbage": (b"\x80\x02garbage" * 4, "model.pt", r"'model.pt' could not be read: truncated or corrupt"),
+        "zip_not_torch": (None, "model.pt", r"is a zip archive but not a PyTorch file \(no data.pkl\)"),
+    }
+
+
+BAD_FILE_CASES = ["whole_module", "tensor_not_dict", "truncated_pt", "truncated_safetensors", "garbage_safetensors",
+                  "onnx_renamed", "hdf5_renamed", "empty", "pickle_garbage", "zip_not_torch"]
+
+
+@pytest.mark.parametrize("case", BAD_FILE_CASES)
+def test_bad_files(tmp_path, case):
+    content, name, match = _bad_files(tmp_path)[case]
+    path = tmp_path / name
+    if case == "tensor_not_dict":
+        torch.save(torch.zeros(3), path)
+    elif case == "zip_not_torch":
+        import zipfile
+
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("readme.txt", "hello")
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ConversionError, match=match):
+        service.convert(path)
+
+
+def test_unknown_option_is_refused(tmp_path):
+    with pytest.raises(ConversionError, match=r"takes no option\(s\) opset"):
+        load_torch(save_pt(tmp_path, make("gru").state_dict()), None, None, opset=17)
