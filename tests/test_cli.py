@@ -1,0 +1,82 @@
+"""`rnnserve convert` and `rnnserve inspect` as a user runs them (real processes)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import service  # noqa: E402
+
+
+def rnnserve(*args, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "service.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def torch_file(tmp_path_factory):
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Linear(5, 7)
+            self.rnn = torch.nn.GRU(7, 13, 2, batch_first=True, bidirectional=True)
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("src") / "net.pt"
+    net = Net()
+    torch.save(net.state_dict(), path)
+    return path, net
+
+
+def test_convert_inspect_and_engine_reproduce_torch(torch_file, tmp_path):
+    path, net = torch_file
+    res = rnnserve("convert", path, "--name", "tagger", "--repository", tmp_path / "repo", "--version", "2")
+    assert res.returncode == 0, res.stderr
+    assert "verified against torch: max abs difference" in res.stdout
+    assert "block 0: gru I=7 H=13 layers=2 bidirectional" in res.stdout
+    assert (tmp_path / "repo" / "tagger" / "2" / "model.safetensors").exists()
+
+    res = rnnserve("inspect", tmp_path / "repo" / "tagger")
+    assert res.returncode == 0, res.stderr
+    assert "model tagger version 2" in res.stdout
+    # pseudo-layer 2 (layer 1, forward) reads both directions of layer 0: [13, 26]
+    assert any(line.split()[:6] == ["matrix", "2", "1", "0", "0", "W_r"] and "13x26" in line
+               for line in res.stdout.splitlines())
+    info = json.loads(rnnserve("inspect", tmp_path / "repo" / "tagger", "--json", "--device", "cpu").stdout)
+    assert info["provenance"]["format"] == "torch" and info["provenance"]["selection"] == ["rnn"]
+    assert len(info["provenance"]["sha256"]) == 64 and info["engine"]["engine"] == "reference"
+
+    model = service.load_model(tmp_path / "repo" / "tagger")
+    x = np.random.default_rng(0).standard_normal((2, 5, 7)).astype(np.float32)
+    with torch.no_grad():
+        expected, _ = net.rnn(torch.from_numpy(x))
+    out = service.create_engine(model, "cpu").forward(x)
+    np.testing.assert_allclose(out.output, expected.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_convert_reduced_precision(torch_file, tmp_path, dtype):
+    res = rnnserve("convert", torch_file[0], "--name", "m", "--repository", tmp_path, "--dtype", dtype)
+    assert res.returncode == 0, res.stderr
+    assert service.load_model(tmp_path / "m").storage_dtype == dtype
+
+
+def test_cli_errors_are_one_line_and_exit_2(torch_file, tmp_path):
+    res = rnnserve("convert", tmp_path / "missing.pt", "--name", "m", "--repository", tmp_path)
+    assert res.returncode == 2 and "error: source file" in res.stderr and "does not exist" in res.stderr
+    res = rnnserve("convert", torch_file[0], "--name", "m", "--repository", tmp_path, "--select", "decoder")
+    assert res.returncode == 2 and "matches no tensor" in res.stderr and "'rnn'" in res.stderr
+    res = rnnserve("convert", torch_file[0], "--name", "../m", "--repository", tmp_path)
+    assert res.returncode == 2 and "is not allowed" in res.stderr
+    weird = tmp_path / "weights.xyz"
+    weird.write_bytes(b"hello world")
+    res = rnnserve("convert", weird, "--name", "m", "--repository", tmp_path)
+    assert res.returncode == 2 and "--format" in res.stderr
+    res = rnnserve("inspect", tmp_path / "nothing")
+    assert res.returncode == 2 and "no model at" in res.stderr
+    assert "Traceback" not in res.stderr
