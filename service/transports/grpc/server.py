@@ -1,0 +1,123 @@
+"""Build the gRPC server: GRPCInferenceService, grpc.health.v1, error mapping, limits."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from .generated import inference_pb2_grpc as pb_grpc
+from .servicer import InferenceServicer
+from .status import ErrorMappingInterceptor
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+SERVICE_NAME = "inference.GRPCInferenceService"
+# How often Watch subscribers of the health service see readiness changes.
+HEALTH_POLL_SECONDS = 1.0
+
+
+class ReadinessHealthServicer(health_aio.HealthServicer):
+    """grpc.health.v1 Health: SERVING while ``dataplane.ready()``, else NOT_SERVING.
+
+    Answers for the server ("") and for ``inference.GRPCInferenceService``. Check
+    and the start of Watch read readiness at call time; Watch subscribers then see
+    changes as :meth:`refresh` runs (every ``HEALTH_POLL_SECONDS`` while the server
+    runs).
+    """
+
+    def __init__(self, dataplane) -> None:
+        super().__init__()
+        self._dataplane = dataplane
+
+    async def refresh(self) -> None:
+        serving = health_pb2.HealthCheckResponse.SERVING
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        try:
+            status = serving if self._dataplane.ready() else not_serving
+        except Exception:
+            status = not_serving
+        for service in ("", SERVICE_NAME):
+            if self._server_status.get(service) != status:
+                await self.set(service, status)
+
+    async def Check(self, request, context):
+        await self.refresh()
+        return await super().Check(request, context)
+
+    async def Watch(self, request, context):
+        await self.refresh()
+        return await super().Watch(request, context)
+
+
+class GRPCServer:
+    """A ``grpc.aio.Server`` with its bound port and the health poller.
+
+    Awaitable like the server it wraps (``await start()``, ``await stop(grace)``,
+    ``await wait_for_termination()``); other attributes pass through to
+    :attr:`server`.
+    """
+
+    def __init__(self, server: aio.Server, bound_port: int, health: ReadinessHealthServicer) -> None:
+        self.server = server
+        self.bound_port = bound_port
+        self._health = health
+        self._poller: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self._health.refresh()
+        await self.server.start()
+        self._poller = asyncio.create_task(self._poll_health())
+
+    async def stop(self, grace: float | None) -> None:
+        """Reports NOT_SERVING, then stops; in-flight RPCs get ``grace`` seconds to finish."""
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+            self._poller = None
+        await self._health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+    async def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return await self.server.wait_for_termination(timeout)
+
+    async def _poll_health(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_POLL_SECONDS)
+            await self._health.refresh()
+
+    def __getattr__(self, name):
+        return getattr(self.server, name)
+
+
+def create_grpc_server(
+    dataplane, host: str, port: int, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> GRPCServer:
+    """An unstarted gRPC server for ``dataplane``, bound to ``host:port``.
+
+    Port 0 picks a free port; ``bound_port`` on the result is the port bound.
+    ``max_message_bytes`` limits both received and sent messages (a request's raw
+    tensors and a response's outputs travel in one message each). Call it from the
+    event loop that will run the server.
+    """
+    server = aio.server(
+        interceptors=[ErrorMappingInterceptor()],
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ],
+    )
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(dataplane), server)
+    health = ReadinessHealthServicer(dataplane)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    try:
+        bound_port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot listen for gRPC on {address}: {exc}") from exc
+    if bound_port == 0:
+        raise RuntimeError(f"cannot listen for gRPC on {address}")
+    return GRPCServer(server, bound_port, health)

@@ -1,0 +1,176 @@
+"""GRPCInferenceService: the Open Inference Protocol over gRPC, as a thin transport.
+
+Each RPC converts wire messages to protocol types (:mod:`.codec`), calls the one
+:class:`~service.dataplane.DataPlane`, and converts back. Errors are raised, not
+handled here: :class:`.status.ErrorMappingInterceptor` maps them for every RPC.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+from ...errors import InvalidInput
+from .codec import decode_parameters, decode_request, encode_response
+from .generated import inference_pb2 as pb
+from .generated import inference_pb2_grpc as pb_grpc
+from .status import grpc_status
+
+# How many ModelStreamInfer requests of one stream may be in flight at once.
+STREAM_WINDOW = 64
+
+
+def _sequence_key(msg: pb.ModelInferRequest) -> tuple[str, Any] | None:
+    """The (model, sequence_id) a request continues, or None when it is stateless."""
+    param = msg.parameters.get("sequence_id")
+    if param is None:
+        return None
+    which = param.WhichOneof("parameter_choice")
+    value = getattr(param, which) if which else None
+    if value in (None, 0, ""):
+        return None
+    return (msg.model_name, value)
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """Serves GRPCInferenceService from a DataPlane."""
+
+    def __init__(self, dataplane, stream_window: int = STREAM_WINDOW) -> None:
+        self._dataplane = dataplane
+        self._stream_window = stream_window
+
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=self._dataplane.live())
+
+    async def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=self._dataplane.ready())
+
+    async def ModelReady(self, request, context):
+        return pb.ModelReadyResponse(ready=self._dataplane.model_ready(request.name, request.version))
+
+    async def ServerMetadata(self, request, context):
+        meta = self._dataplane.server_metadata()
+        return pb.ServerMetadataResponse(
+            name=meta["name"], version=str(meta["version"]), extensions=list(meta.get("extensions", []))
+        )
+
+    async def ModelMetadata(self, request, context):
+        meta = self._dataplane.model_metadata(request.name, request.version)
+
+        def tensors(items):
+            return [
+                pb.ModelMetadataResponse.TensorMetadata(
+                    name=t["name"], datatype=t["datatype"], shape=[int(d) for d in t["shape"]]
+                )
+                for t in items
+            ]
+
+        return pb.ModelMetadataResponse(
+            name=meta["name"],
+            versions=[str(v) for v in meta.get("versions", [])],
+            platform=meta.get("platform", ""),
+            inputs=tensors(meta.get("inputs", [])),
+            outputs=tensors(meta.get("outputs", [])),
+        )
+
+    async def ModelInfer(self, request, context):
+        response = await self._dataplane.infer(decode_request(request))
+        return encode_response(response)
+
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Answers each request in request order; a failed one answers with error_message.
+
+        Requests run concurrently (up to ``stream_window`` in flight), so independent
+        requests of one stream can batch together; requests of the same sequence
+        (same model and ``sequence_id``) run one after another, in stream order.
+        """
+        in_order: asyncio.Queue[asyncio.Task | None] = asyncio.Queue()
+        window = asyncio.Semaphore(self._stream_window)
+        last_of_sequence: dict[tuple[str, Any], asyncio.Task] = {}
+
+        def forget(key, task):
+            if last_of_sequence.get(key) is task:
+                del last_of_sequence[key]
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    await window.acquire()
+                    key = _sequence_key(request)
+                    task = asyncio.create_task(self._stream_one(request, last_of_sequence.get(key)))
+                    if key is not None:
+                        last_of_sequence[key] = task
+                        task.add_done_callback(lambda t, k=key: forget(k, t))
+                    in_order.put_nowait(task)
+            finally:
+                in_order.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (task := await in_order.get()) is not None:
+                response = await task
+                window.release()
+                yield response
+            await reader  # a failure to read the stream ends the call with its status
+        finally:
+            reader.cancel()
+            while not in_order.empty():
+                task = in_order.get_nowait()
+                if task is not None:
+                    task.cancel()
+
+    async def _stream_one(self, request: pb.ModelInferRequest, after: asyncio.Task | None):
+        if after is not None:
+            await asyncio.wait([after])
+        try:
+            infer_response = encode_response(await self._dataplane.infer(decode_request(request)))
+        except Exception as exc:
+            _, message = grpc_status(exc)
+            # The request's identity goes back with the error, so clients can match them.
+            return pb.ModelStreamInferResponse(
+                error_message=message,
+                infer_response=pb.ModelInferResponse(
+                    model_name=request.model_name, model_version=request.model_version, id=request.id
+                ),
+            )
+        final = request.parameters.get("triton_enable_empty_final_response")
+        if final is not None and final.bool_param:
+            # Non-decoupled models answer once: that answer is the final one (Triton's flag).
+            infer_response.parameters["triton_final_response"].bool_param = True
+        return pb.ModelStreamInferResponse(infer_response=infer_response)
+
+    async def RepositoryIndex(self, request, context):
+        models = self._dataplane.repository_index(ready_only=request.ready)
+        return pb.RepositoryIndexResponse(
+            models=[
+                pb.RepositoryIndexResponse.ModelIndex(
+                    name=m["name"],
+                    version=str(m.get("version", "")),
+                    state=m.get("state", ""),
+                    reason=m.get("reason", ""),
+                )
+                for m in models
+            ]
+        )
+
+    async def RepositoryModelLoad(self, request, context):
+        params = decode_parameters(request.parameters)
+        if params:
+            raise InvalidInput(
+                f"model '{request.model_name}' is loaded from the server's repository; "
+                f"load parameters are not supported (got {', '.join(sorted(params))})"
+            )
+        await self._dataplane.load_model(request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request, context):
+        # tritonclient always sends unload_dependents; rnnserve models have no dependents.
+        params = decode_parameters(request.parameters)
+        params.pop("unload_dependents", None)
+        if params:
+            raise InvalidInput(
+                f"unload parameters are not supported (got {', '.join(sorted(params))})"
+            )
+        await self._dataplane.unload_model(request.model_name)
+        return pb.RepositoryModelUnloadResponse()

@@ -1,0 +1,58 @@
+"""Wire <-> protocol conversion of the gRPC transport, without a server."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from service.dataplane.types import InferResponse, InferTensor
+from service.errors import InvalidInput
+from service.transports.grpc.codec import decode_parameters, decode_request, encode_parameters, encode_response
+from service.transports.grpc.generated import inference_pb2 as pb
+
+
+def test_response_is_little_endian_raw_whatever_the_array_byte_order():
+    big = np.arange(6, dtype=">f4").reshape(2, 3)
+    msg = encode_response(InferResponse("m", "1", "id", [InferTensor("output", "FP32", [2, 3], big)]))
+    assert msg.raw_output_contents[0] == np.arange(6, dtype="<f4").tobytes()
+    assert list(msg.outputs[0].shape) == [2, 3] and msg.outputs[0].datatype == "FP32"
+    assert (msg.model_name, msg.model_version, msg.id) == ("m", "1", "id")
+
+
+def test_response_parameters_keep_their_types():
+    msg = pb.ModelInferResponse()
+    params = {"flag": True, "n": -3, "big": 2**64 - 1, "x": 0.5, "s": "text", "np": np.int32(7)}
+    encode_parameters(params, msg.parameters)
+    assert msg.parameters["flag"].WhichOneof("parameter_choice") == "bool_param"
+    assert msg.parameters["big"].WhichOneof("parameter_choice") == "uint64_param"
+    assert decode_parameters(msg.parameters) == {**params, "np": 7}
+
+
+def test_empty_tensor_needs_no_data():
+    request = pb.ModelInferRequest(model_name="m")
+    request.inputs.add(name="input", datatype="FP32", shape=[0, 4, 3])
+    decoded = decode_request(request)
+    assert decoded.inputs[0].data.shape == (0, 4, 3)
+    assert decoded.outputs is None
+
+
+def test_typed_int8_out_of_range_is_refused_not_wrapped():
+    request = pb.ModelInferRequest(model_name="m")
+    request.inputs.add(name="lengths", datatype="INT8", shape=[2]).contents.int_contents.extend([5, -300])
+    with pytest.raises(InvalidInput, match=r"input 'lengths' has a value in contents.int_contents out of range "
+                                            r"for INT8 \(-128..127\)"):
+        decode_request(request)
+
+
+def test_raw_inputs_decode_in_input_order_with_parameters():
+    a, b = np.ones((1, 2, 3), np.float32), np.array([2], np.int64)
+    request = pb.ModelInferRequest(model_name="m", model_version="2", id="r",
+                                   raw_input_contents=[a.tobytes(), b.tobytes()])
+    request.inputs.add(name="input", datatype="FP32", shape=a.shape)
+    request.inputs.add(name="lengths", datatype="INT64", shape=b.shape).parameters["note"].string_param = "x"
+    request.outputs.add(name="h_n").parameters["binary_data"].bool_param = True
+    decoded = decode_request(request)
+    assert (decoded.model_name, decoded.model_version, decoded.id) == ("m", "2", "r")
+    assert [t.name for t in decoded.inputs] == ["input", "lengths"]
+    np.testing.assert_array_equal(decoded.inputs[1].data, b)
+    assert decoded.inputs[1].parameters == {"note": "x"}
+    assert [(o.name, o.parameters) for o in decoded.outputs] == [("h_n", {"binary_data": True})]
