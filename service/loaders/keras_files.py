@@ -1,0 +1,387 @@
+"""Read Keras files into a list of layers with their raw Keras-form weights, without Keras.
+
+Four layouts are read (paths observed on files written by Keras 3.15 and, for Keras
+2 / tf.keras, taken from ``hdf5_format.py`` / ``engine/saving.py``):
+
+* ``.keras`` archive (Keras 3): a zip of ``config.json``, ``metadata.json`` and
+  ``model.weights.h5``. In the h5, a layer lives at ``layers/<snake_case class>[_k]``
+  and its ``vars`` group carries the layer name as attribute ``name``; an RNN's
+  variables are ``cell/vars/0`` (kernel), ``1`` (recurrent_kernel), ``2`` (bias), a
+  Bidirectional's under ``forward_layer/cell/vars`` and ``backward_layer/cell/vars``.
+* Keras 3 weights-only ``.weights.h5`` (``model.save_weights``): the same tree, no config.
+* legacy full model ``.h5`` (Keras 2, tf.keras, or Keras 3 ``model.save('x.h5')``):
+  attributes ``model_config``, ``keras_version``, ``backend``; group ``model_weights``
+  with ``layer_names``; each layer group lists its datasets in ``weight_names``
+  (``lstm_1/kernel:0``, ``lstm/lstm_cell/kernel:0``, ``bi/forward_gru/gru_cell/bias``).
+* legacy weights-only ``.h5`` (Keras 2 ``save_weights``): the same layer groups at the root.
+"""
+from __future__ import annotations
+
+import io
+import json
+import re
+import zipfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConversionError
+
+RECURRENT = ("LSTM", "GRU", "SimpleRNN", "CuDNNLSTM", "CuDNNGRU")
+# Layers that pass a sequence through unchanged at inference time.
+TRANSPARENT = {"InputLayer", "Masking", "Dropout", "SpatialDropout1D", "GaussianNoise", "GaussianDropout",
+               "AlphaDropout", "ActivityRegularization"}
+_MODELS = {"Sequential", "Functional", "Model"}
+_ROLES = ("kernel", "recurrent_kernel", "bias")
+
+
+@dataclass
+class KerasLayer:
+    """One layer of a Keras model as stored in the file.
+
+    ``class_name`` is the recurrent class (``LSTM``, ``GRU``, ...) also for a
+    Bidirectional wrapper, whose ``bidirectional`` is then true. ``configs`` holds one
+    layer config per direction (None when the file has no config); ``weights`` one
+    dict {kernel, recurrent_kernel[, bias]} per direction. ``upstream`` names the
+    non-transparent layer whose output this one reads ("" for the model input, None
+    when the file does not say).
+    """
+
+    name: str
+    class_name: str
+    bidirectional: bool = False
+    configs: list[dict[str, Any]] | None = None
+    wrapper: dict[str, Any] | None = None
+    weights: list[dict[str, np.ndarray]] = field(default_factory=list)
+    upstream: str | None = None
+    where: str = ""
+
+    @property
+    def is_recurrent(self) -> bool:
+        return self.class_name in RECURRENT
+
+
+@dataclass
+class KerasFile:
+    """A Keras file's layers in model order (``order_known`` false: only per-class order)."""
+
+    kind: str                 # "keras" | "h5-model" | "h5-weights" | "keras3-weights"
+    keras_version: str        # "" when the file does not record it
+    layers: list[KerasLayer]
+    has_config: bool
+    order_known: bool = True
+
+    @property
+    def keras3(self) -> bool:
+        return self.kind in ("keras", "keras3-weights") or self.keras_version.startswith("3")
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if isinstance(value, np.ndarray) and value.shape == ():
+        return _text(value[()])
+    return str(value)
+
+
+def _open_h5(source: Any, what: str):
+    import h5py
+
+    try:
+        return h5py.File(source, "r")
+    except (OSError, ValueError) as exc:
+        raise ConversionError(
+            f"{what} is not a readable HDF5 file ({exc}); the file may be truncated or corrupt: "
+            f"save it again with model.save(...) or model.save_weights(...)"
+        ) from exc
+
+
+def read_keras_file(path: Path) -> KerasFile:
+    """Read ``path`` (a .keras zip or an HDF5 file) into a :class:`KerasFile`."""
+    head = path.read_bytes()[:8]
+    if head.startswith(b"PK"):
+        return _read_archive(path)
+    if head.startswith(b"\x89HDF"):
+        h5 = _open_h5(path, f"'{path.name}'")
+        try:
+            return _read_h5(h5, path.name)
+        except KeyError as exc:
+            raise ConversionError(f"'{path.name}' is missing an expected HDF5 entry ({exc}); the file may be "
+                                  f"truncated or corrupt: save it again") from exc
+        finally:
+            h5.close()
+    raise ConversionError(
+        f"'{path.name}' is neither a .keras archive (zip) nor an HDF5 file; the file may be truncated or corrupt. "
+        f"Save the model with model.save('model.keras') or model.save('model.h5')"
+    )
+
+
+# ---------------------------------------------------------------- .keras archives and Keras 3 h5
+
+def _read_archive(path: Path) -> KerasFile:
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = set(zf.namelist())
+            missing = [n for n in ("config.json", "model.weights.h5") if n not in names]
+            if missing:
+                raise ConversionError(
+                    f"'{path.name}' is a zip but not a Keras 3 .keras archive: it lacks {', '.join(missing)}. "
+                    f"Save the model with model.save('model.keras')"
+                )
+            config = json.loads(zf.read("config.json"))
+            meta = json.loads(zf.read("metadata.json")) if "metadata.json" in names else {}
+            weights = zf.read("model.weights.h5")
+    except (zipfile.BadZipFile, EOFError, zlib.error) as exc:
+        raise ConversionError(f"'{path.name}' is not a valid .keras archive ({exc}); the file may be truncated "
+                              f"or corrupt: save it again with model.save('model.keras')") from exc
+    except json.JSONDecodeError as exc:
+        raise ConversionError(f"'{path.name}': config.json is not valid JSON ({exc}); save the model again") from exc
+    layers = config_layers(config, path.name)
+    h5 = _open_h5(io.BytesIO(weights), f"model.weights.h5 inside '{path.name}'")
+    try:
+        groups = _keras3_groups(h5, path.name)
+        by_name = {name: g for name, g in groups}
+        fallback = _snake_names(layers)
+        for layer in layers:
+            if not layer.is_recurrent:
+                continue
+            group = by_name.get(layer.name)
+            if group is None and fallback.get(layer.name):
+                group = h5["layers"].get(fallback[layer.name])
+            if group is None:
+                raise ConversionError(f"'{path.name}': no weights for layer '{layer.name}' in model.weights.h5; "
+                                      f"the archive may be corrupt: save the model again")
+            layer.weights, layer.where = _keras3_weights(group, layer.bidirectional, layer.name)
+    except KeyError as exc:
+        raise ConversionError(f"'{path.name}': model.weights.h5 lacks {exc}; the archive may be corrupt") from exc
+    finally:
+        h5.close()
+    return KerasFile("keras", str(meta.get("keras_version", "3")), layers, has_config=True)
+
+
+def _keras3_groups(h5, fname: str) -> list[tuple[str, Any]]:
+    """(layer name, group) for every child of ``layers/``, named from its ``vars`` attribute."""
+    if "layers" not in h5:
+        raise ConversionError(f"'{fname}': the weights file has no 'layers' group; is this a Keras 3 model?")
+    out = []
+    for key in h5["layers"]:
+        group = h5["layers"][key]
+        name = _text(group["vars"].attrs["name"]) if "vars" in group and "name" in group["vars"].attrs else key
+        out.append((name, group))
+    return out
+
+
+def _snake_names(layers: list[KerasLayer]) -> dict[str, str]:
+    """Fallback for files whose ``vars`` lack the name attribute: Keras 3's container naming."""
+    used: dict[str, int] = {}
+    out = {}
+    for layer in layers:
+        cls = layer.wrapper["class_name"] if layer.wrapper else layer.class_name
+        base = re.sub(r"(?<!^)(?=[A-Z][a-z])", "_", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", cls)).lower()
+        k = used.get(base, 0)
+        used[base] = k + 1
+        out[layer.name] = base if k == 0 else f"{base}_{k}"
+    return out
+
+
+def _keras3_vars(group, where: str) -> dict[str, np.ndarray]:
+    if "cell" not in group or "vars" not in group["cell"]:
+        raise ConversionError(f"{where}: no 'cell/vars' group; rnnserve reads LSTM, GRU and SimpleRNN layers")
+    var = group["cell"]["vars"]
+    arrays = [np.asarray(var[k]) for k in sorted(var, key=int)]
+    if len(arrays) not in (2, 3):
+        raise ConversionError(f"{where}: expected kernel, recurrent_kernel and bias, found {len(arrays)} variables")
+    return dict(zip(_ROLES, arrays))
+
+
+def _keras3_weights(group, bidirectional: bool, name: str) -> tuple[list[dict[str, np.ndarray]], str]:
+    if bidirectional:
+        return ([_keras3_vars(group["forward_layer"], f"layer '{name}' (forward)"),
+                 _keras3_vars(group["backward_layer"], f"layer '{name}' (backward)")], group.name)
+    return [_keras3_vars(group, f"layer '{name}'")], group.name
+
+
+_CELL_CLASSES = {"lstm_cell": "LSTM", "gru_cell": "GRU", "simple_rnn_cell": "SimpleRNN"}
+
+
+def _read_keras3_weights(h5, fname: str) -> KerasFile:
+    """Keras 3 ``save_weights`` file: no config, layer order known only within a class."""
+    layers = []
+    for name, group in _keras3_groups(h5, fname):
+        bidir = "forward_layer" in group
+        inner = group["forward_layer"] if bidir else group
+        cls = ""
+        if "cell" in inner:
+            cell_name = _text(inner["cell"]["vars"].attrs.get("name", "")) if "vars" in inner["cell"] else ""
+            cls = _CELL_CLASSES.get(re.sub(r"_\d+$", "", cell_name), "")
+        layer = KerasLayer(name, cls or "?", bidirectional=bidir, where=group.name)
+        if "cell" in inner:
+            layer.weights, layer.where = _keras3_weights(group, bidir, name)
+            if not cls:
+                layer.class_name = shape_class(layer.weights[0], name)
+        layers.append(layer)
+    return KerasFile("keras3-weights", "", layers, has_config=False, order_known=False)
+
+
+# ---------------------------------------------------------------- legacy h5 (Keras 2, tf.keras, Keras 3)
+
+def _read_h5(h5, fname: str) -> KerasFile:
+    attrs = h5.attrs
+    version = _text(attrs["keras_version"]) if "keras_version" in attrs else ""
+    if version.startswith("1."):
+        raise ConversionError(f"'{fname}' was written by Keras {version}; rnnserve reads files from Keras 2 and "
+                              f"later: load it in Keras 2 and save it again")
+    if "model_weights" in h5:
+        root, kind = h5["model_weights"], "h5-model"
+        version = version or (_text(root.attrs["keras_version"]) if "keras_version" in root.attrs else "")
+    elif "layer_names" in attrs:
+        root, kind = h5, "h5-weights"
+    elif "layers" in h5:
+        return _read_keras3_weights(h5, fname)
+    else:
+        raise ConversionError(
+            f"'{fname}' is an HDF5 file but not a Keras model or weights file (no 'model_weights' group, no "
+            f"'layer_names' attribute, no 'layers' group); save it with model.save('model.h5')"
+        )
+    config = None
+    if kind == "h5-model" and "model_config" in attrs:
+        try:
+            config = json.loads(_text(attrs["model_config"]))
+        except json.JSONDecodeError as exc:
+            raise ConversionError(f"'{fname}': the model_config attribute is not valid JSON ({exc})") from exc
+    names = [_text(n) for n in root.attrs["layer_names"]]
+    if config is not None:
+        layers = config_layers(config, fname)
+    else:
+        layers = [KerasLayer(n, "?") for n in names]
+    for layer in layers:
+        if layer.name not in root:
+            continue
+        group = root[layer.name]
+        weights = _legacy_weights(group, layer.name)
+        if not weights or all("recurrent_kernel" not in w for w in weights):
+            continue
+        layer.weights, layer.where = weights, group.name
+        if config is None:
+            layer.bidirectional = len(weights) == 2
+            layer.class_name = shape_class(weights[0], layer.name)
+    return KerasFile(kind, version, layers, has_config=config is not None)
+
+
+def _legacy_weights(group, name: str) -> list[dict[str, np.ndarray]]:
+    """Per-direction {role: array} from a layer group's ``weight_names`` attribute."""
+    wnames = [_text(n) for n in group.attrs.get("weight_names", [])]
+    dirs: dict[int, dict[str, np.ndarray]] = {}
+    for wn in wnames:
+        parts = wn.split("/")
+        role = parts[-1].split(":")[0]
+        d = 1 if any(p.startswith("backward_") for p in parts[:-1]) else 0
+        if role not in _ROLES:
+            return []  # not an RNN layer of a known form (Dense, Embedding, Keras 1 names, ...)
+        dirs.setdefault(d, {})[role] = np.asarray(group[wn])
+    return [dirs[d] for d in sorted(dirs)]
+
+
+def shape_class(w: dict[str, np.ndarray], name: str) -> str:
+    """The recurrent class implied by the weight shapes (for files without config)."""
+    k, rk = w.get("kernel"), w.get("recurrent_kernel")
+    if k is None or rk is None or k.ndim != 2 or rk.ndim != 2 or rk.shape[0] == 0 or rk.shape[1] % rk.shape[0]:
+        return "?"
+    gates, u = rk.shape[1] // rk.shape[0], rk.shape[0]
+    bias = w.get("bias")
+    if gates == 4:
+        return "CuDNNLSTM" if bias is not None and bias.shape == (8 * u,) else "LSTM"
+    if gates == 3:
+        return "CuDNNGRU" if bias is not None and bias.shape == (6 * u,) else "GRU"
+    return "SimpleRNN" if gates == 1 else "?"
+
+
+# ---------------------------------------------------------------- model configs (Keras 2 and 3)
+
+def config_layers(config: dict[str, Any], fname: str) -> list[KerasLayer]:
+    """Layers of a Sequential/Functional config in order, with per-direction configs and upstream names."""
+    cls = config.get("class_name", "")
+    body = config.get("config", {})
+    entries = body if isinstance(body, list) else body.get("layers", [])  # Keras 2.1 Sequential: a bare list
+    if cls not in _MODELS and not entries:
+        entries = [config]  # a single layer saved on its own
+    functional = cls not in ("Sequential",) and any("inbound_nodes" in e for e in entries)
+    layers: list[KerasLayer] = []
+    by_name: dict[str, dict] = {}
+    prev = ""
+    for e in entries:
+        ecls = e.get("class_name", "?")
+        cfg = e.get("config", {}) if isinstance(e.get("config"), dict) else {}
+        name = e.get("name") or cfg.get("name") or ecls
+        if ecls in _MODELS:
+            raise ConversionError(
+                f"'{fname}' contains the nested model '{name}'; rnnserve reads flat Sequential or Functional "
+                f"models: save '{name}' on its own (e.g. model.get_layer('{name}').save('{name}.keras')) and "
+                f"convert that"
+            )
+        by_name[name] = e
+        if ecls == "Bidirectional":
+            inner = cfg.get("layer", {})
+            back = cfg.get("backward_layer") or None
+            configs = [dict(inner.get("config", {}))]
+            if back:
+                configs.append(dict(back.get("config", {})))
+            else:
+                configs.append({**configs[0], "go_backwards": not configs[0].get("go_backwards", False)})
+            layer = KerasLayer(name, inner.get("class_name", "?"), True, configs,
+                               wrapper={"class_name": "Bidirectional", **{k: v for k, v in cfg.items()
+                                                                         if k not in ("layer", "backward_layer")}})
+        else:
+            layer = KerasLayer(name, ecls, False, [dict(cfg)])
+        if not functional:
+            layer.upstream = prev
+            if ecls not in TRANSPARENT:
+                prev = name
+        layers.append(layer)
+    if functional:
+        for layer in layers:
+            layer.upstream = _trace_upstream(by_name, by_name[layer.name])
+    return layers
+
+
+def _trace_upstream(by_name: dict[str, dict], entry: dict) -> str | None:
+    seen = set()
+    src = _first_inbound(entry)
+    while src:
+        e = by_name.get(src)
+        if e is None or e.get("class_name") not in TRANSPARENT or src in seen:
+            return src
+        seen.add(src)
+        src = _first_inbound(e)
+    return ""
+
+
+def _first_inbound(entry: dict) -> str:
+    """The layer name feeding ``entry``'s first call, in Keras 2 or Keras 3 config form."""
+    nodes = entry.get("inbound_nodes") or []
+    if not nodes:
+        return ""
+
+    def find(obj: Any) -> str:
+        if isinstance(obj, dict):
+            hist = obj.get("config", {}).get("keras_history") if isinstance(obj.get("config"), dict) else None
+            if hist:
+                return str(hist[0])
+            for v in obj.values():
+                found = find(v)
+                if found:
+                    return found
+        elif isinstance(obj, (list, tuple)):
+            if obj and isinstance(obj[0], str) and len(obj) >= 3 and isinstance(obj[1], int):
+                return obj[0]  # Keras 2: [layer_name, node_index, tensor_index, kwargs]
+            for v in obj:
+                found = find(v)
+                if found:
+                    return found
+        return ""
+
+    node = nodes[0]
+    return find(node.get("args", node) if isinstance(node, dict) else node)

@@ -1,0 +1,353 @@
+"""Keras loader: converted models reproduce Keras's own output (Keras 3, torch backend),
+and files written the Keras 2 / tf.keras way reproduce the Keras 2 equations."""
+from __future__ import annotations
+
+import json
+import zipfile
+
+import numpy as np
+import pytest
+
+from service import convert
+from service.engines.reference import ReferenceEngine
+from service.errors import ConversionError
+from service.loaders.verify import ATOL, RTOL
+
+import keras2_h5 as k2
+
+keras = pytest.importorskip("keras")
+L = keras.layers
+I, B, T = 7, 3, 6
+RAGGED = np.array([6, 1, 4])
+
+
+def kout(model, x):
+    return np.asarray(keras.ops.convert_to_numpy(model(x)), dtype=np.float64)
+
+
+def close(got, expected):
+    np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+
+
+def batch(seed=0, lengths=RAGGED, features=I):
+    """Padded batch: zeros past each length, which Keras's Masking layer masks."""
+    x = np.random.default_rng(seed).standard_normal((B, T, features)).astype(np.float32)
+    for i, n in enumerate(lengths):
+        x[i, n:] = 0.0
+    return x
+
+
+def randomize(model, seed=1):
+    rng = np.random.default_rng(seed)
+    model.set_weights([rng.uniform(-0.6, 0.6, w.shape).astype(np.float32) for w in model.get_weights()])
+
+
+def ours(packed, x, lengths=None, **state):
+    return ReferenceEngine(packed, dtype=np.float64).forward(x.astype(np.float64), lengths, **state).output
+
+
+def save(model, tmp_path, fmt, name="m"):
+    path = tmp_path / {"keras": f"{name}.keras", "h5": f"{name}.h5", "weights": f"{name}.weights.h5"}[fmt]
+    model.save_weights(path) if fmt == "weights" else model.save(path)
+    return path
+
+
+MODELS = {
+    "lstm": lambda: [L.LSTM(13, return_sequences=True)],
+    "gru_reset_after": lambda: [L.GRU(13, return_sequences=True)],
+    "gru_reset_before": lambda: [L.GRU(13, return_sequences=True, reset_after=False)],
+    "rnn_tanh": lambda: [L.SimpleRNN(13, return_sequences=True)],
+    "rnn_relu": lambda: [L.SimpleRNN(13, activation="relu", return_sequences=True)],
+    "bidirectional_lstm": lambda: [L.Bidirectional(L.LSTM(5, return_sequences=True))],
+    "stack3_lstm": lambda: [L.LSTM(5, return_sequences=True) for _ in range(3)],
+    "stack3_mixed": lambda: [L.Bidirectional(L.GRU(4, return_sequences=True)),
+                             L.Bidirectional(L.GRU(4, return_sequences=True)), L.LSTM(13, return_sequences=True)],
+    "hard_sigmoid_lstm": lambda: [L.LSTM(13, recurrent_activation="hard_sigmoid", return_sequences=True)],
+    "hard_sigmoid_gru": lambda: [L.GRU(6, recurrent_activation="hard_sigmoid", return_sequences=True)],
+}
+
+
+@pytest.fixture(scope="module")
+def built():
+    """Each model of MODELS, masked, with random weights; keras model building is slow, so once."""
+    out = {}
+    for name, make in MODELS.items():
+        model = keras.Sequential([keras.Input((None, I)), L.Masking(), *make()])
+        randomize(model)
+        out[name] = model
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["keras", "h5", "weights"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_matches_keras(built, tmp_path, name, fmt):
+    model = built[name]
+    options = {}
+    if fmt == "weights":  # a weights-only file does not record activations: say them
+        options = {"recurrent_activation": "hard_sigmoid"} if "hard" in name else {}
+        options.update(cell="rnn_relu") if name == "rnn_relu" else None
+    packed = convert(save(model, tmp_path, fmt), **options)
+    assert packed.provenance["verification"]["checked"] is True
+    x = batch()
+    full = np.random.default_rng(5).standard_normal((B, T, I)).astype(np.float32)
+    close(ours(packed, full), kout(model, full))
+    expected, got = kout(model, x), ours(packed, x, RAGGED)
+    for i, n in enumerate(RAGGED):  # Keras repeats the last output past a mask; rnnserve writes zeros
+        close(got[i, :n], expected[i, :n])
+        assert not got[i, n:].any()
+
+
+def test_spec_variants(built, tmp_path):
+    spec = convert(save(built["gru_reset_before"], tmp_path, "keras"), verify=False).spec
+    assert spec.blocks[0].variant == {"reset_before": True}
+    spec = convert(save(built["rnn_relu"], tmp_path, "h5"), verify=False).spec
+    assert spec.blocks[0].cell == "rnn_relu" and spec.blocks[0].variant == {}
+    spec = convert(save(built["stack3_lstm"], tmp_path, "keras"), verify=False).spec
+    assert [(b.cell, b.num_layers) for b in spec.blocks] == [("lstm", 3)]
+    spec = convert(save(built["hard_sigmoid_lstm"], tmp_path, "keras"), verify=False).spec
+    f = spec.blocks[0].variant["activations"][0][0]
+    assert f == {"name": "hard_sigmoid", "alpha": pytest.approx(1 / 6), "beta": 0.5}
+
+
+def test_weights_only_defaults_and_notes(built, tmp_path):
+    path = save(built["hard_sigmoid_lstm"], tmp_path, "weights")
+    packed = convert(path, verify=False)
+    assert "sigmoid" in packed.provenance["notes"][0] and "--recurrent-activation" in packed.provenance["notes"][0]
+    assert "activations" not in packed.spec.blocks[0].variant  # assumed Keras 3's default, as the note says
+    spec = convert(save(built["gru_reset_before"], tmp_path, "weights"), verify=False)
+    assert any("reset_after=False (from the bias shape)" in n for n in spec.provenance["notes"])
+    relu = convert(save(built["rnn_relu"], tmp_path, "weights"), cell="rnn_relu")
+    assert relu.spec.blocks[0].cell == "rnn_relu"
+
+
+@pytest.mark.parametrize("cell_kind", ["lstm", "gru", "bigru"])
+def test_initial_state(tmp_path, cell_kind):
+    h = 5
+    x_in = keras.Input((None, I))
+    if cell_kind == "lstm":
+        states = [keras.Input((h,)), keras.Input((h,))]
+        y = L.LSTM(h, return_sequences=True)(x_in, initial_state=states)
+    elif cell_kind == "gru":
+        states = [keras.Input((h,))]
+        y = L.GRU(h, return_sequences=True)(x_in, initial_state=states)
+    else:
+        states = [keras.Input((h,)), keras.Input((h,))]
+        y = L.Bidirectional(L.GRU(h, return_sequences=True))(x_in, initial_state=states)
+    model = keras.Model([x_in, *states], y)
+    randomize(model)
+    packed = convert(save(model, tmp_path, "keras"))
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((B, T, I)).astype(np.float32)
+    s = [rng.standard_normal((B, h)).astype(np.float32) for _ in states]
+    expected = kout(model, [x, *s])
+    kw = {"h0": np.stack(s, axis=1)} if cell_kind != "lstm" else {"h0": s[0][:, None], "c0": s[1][:, None]}
+    close(ours(packed, x, **kw), expected)
+
+
+def test_go_backwards_last_layer(tmp_path):
+    model = keras.Sequential([keras.Input((None, I)), L.GRU(4, return_sequences=True),
+                              L.LSTM(6, return_sequences=True, go_backwards=True)])
+    randomize(model)
+    packed = convert(save(model, tmp_path, "keras"))  # verification runs ragged lengths through Keras
+    assert packed.spec.blocks[-1].variant == {"reverse": True}
+    x = np.random.default_rng(2).standard_normal((B, T, I)).astype(np.float32)
+    close(ours(packed, x), kout(model, x)[:, ::-1])  # Keras returns go_backwards outputs reversed
+
+
+def test_last_layer_without_sequences(tmp_path):
+    model = keras.Sequential([keras.Input((None, I)), L.Masking(), L.LSTM(6, return_sequences=True), L.GRU(5)])
+    randomize(model)
+    packed = convert(save(model, tmp_path, "keras"))
+    x = batch(seed=4)
+    expected, got = kout(model, x), ours(packed, x, RAGGED)
+    close(got[np.arange(B), RAGGED - 1], expected)
+
+
+def functional_with_dense(tmp_path):
+    inp = keras.Input((None, I))
+    a = L.LSTM(4, return_sequences=True, name="enc")(inp)
+    d = L.Dense(4, name="proj")(a)
+    b = L.GRU(3, return_sequences=True, name="dec")(d)
+    model = keras.Model(inp, b)
+    randomize(model)
+    return save(model, tmp_path, "keras")
+
+
+def test_select(tmp_path):
+    path = functional_with_dense(tmp_path)
+    assert convert(path, select="dec").spec.blocks[0].cell == "gru"
+    assert convert(path, select="enc").provenance["selection"] == ["enc"]
+    with pytest.raises(ConversionError, match=r"'dec' reads 'proj' \(Dense\), not the output of 'enc'.*do not "
+                                              r"form one chain.*--select"):
+        convert(path)
+    with pytest.raises(ConversionError, match="'dec' reads 'proj'.*select a consecutive chain"):
+        convert(path, select="enc,dec")
+    with pytest.raises(ConversionError, match=r"'nope', which is not a layer.*'enc' \(LSTM\), 'dec' \(GRU\)"):
+        convert(path, select="nope")
+    with pytest.raises(ConversionError, match=r"'proj', which is a Dense layer, not a recurrent layer.*'enc'"):
+        convert(path, select="proj")
+
+
+def test_refusals_from_model_config(tmp_path):
+    m = keras.Sequential([keras.Input((None, I)), L.Bidirectional(L.LSTM(3, return_sequences=True), merge_mode="sum")])
+    with pytest.raises(ConversionError, match="merge_mode='sum'.*merge_mode='concat'"):
+        convert(save(m, tmp_path, "keras"))
+    m = keras.Sequential([keras.Input((None, I)), L.LSTM(3, go_backwards=True, return_sequences=True), L.LSTM(3)])
+    with pytest.raises(ConversionError, match="'lstm.*' has go_backwards=True.*reversed time order"):
+        convert(save(m, tmp_path, "keras", "gb"))
+    m = keras.Sequential([keras.Input((None, I)), L.LSTM(3), L.RepeatVector(4), L.LSTM(3)])
+    with pytest.raises(ConversionError, match="reads 'repeat_vector.*' \\(RepeatVector\\)"):
+        convert(save(m, tmp_path, "keras", "rv"))
+    m = keras.Sequential([keras.Input((None, I)), L.RNN(L.LSTMCell(3), return_sequences=True, name="generic")])
+    with pytest.raises(ConversionError, match="has no recurrent layer rnnserve can convert.*RNN 'generic'"):
+        convert(save(m, tmp_path, "keras", "generic"))
+    m = keras.Sequential([keras.Input((None, I)), L.RNN(L.LSTMCell(3), return_sequences=True, name="generic"),
+                          L.LSTM(3, name="plain")])
+    with pytest.raises(ConversionError, match="'generic', which is a RNN, a recurrent layer type rnnserve cannot "
+                                              "convert.*'plain' \\(LSTM\\)"):
+        convert(save(m, tmp_path, "keras", "generic2"), select="generic")
+    with pytest.raises(ConversionError, match=r"--cell gru does not match layer 'plain' \(LSTM\)"):
+        convert(save(m, tmp_path, "keras", "generic2"), select="plain", cell="gru")
+
+
+def test_bad_files(tmp_path, built):
+    good = save(built["lstm"], tmp_path, "keras")
+    cut = tmp_path / "cut.keras"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(ConversionError, match="not a valid .keras archive.*truncated or corrupt"):
+        convert(cut)
+    other = tmp_path / "other.keras"
+    with zipfile.ZipFile(other, "w") as zf:
+        zf.writestr("config.json", json.dumps({}))
+    with pytest.raises(ConversionError, match="lacks model.weights.h5"):
+        convert(other)
+    h5 = save(built["lstm"], tmp_path, "h5")
+    short = tmp_path / "short.h5"
+    short.write_bytes(h5.read_bytes()[:3000])
+    with pytest.raises(ConversionError, match="not a readable HDF5 file.*truncated or corrupt"):
+        convert(short)
+    junk = tmp_path / "junk.h5"
+    junk.write_bytes(b"not hdf5 at all")
+    with pytest.raises(ConversionError, match="neither a .keras archive .zip. nor an HDF5 file"):
+        convert(junk)
+    dense = keras.Sequential([keras.Input((I,)), L.Dense(3, name="fc")])
+    with pytest.raises(ConversionError, match=r"no recurrent layer.*Dense 'fc'.*converts LSTM, GRU"):
+        convert(save(dense, tmp_path, "h5", "dense"))
+    with pytest.raises(ConversionError, match="unknown Keras option.*bogus"):
+        convert(good, bogus=1)
+    with pytest.raises(ConversionError, match="must be 'sigmoid' or 'hard_sigmoid'"):
+        convert(good, recurrent_activation="relu")
+
+
+# ---------------------------------------------------------------- Keras 2 / tf.keras files written by hand
+
+def weights(rng, n_in, u, gates, bias_shape):
+    return (rng.uniform(-0.5, 0.5, (n_in, gates * u)), rng.uniform(-0.5, 0.5, (u, gates * u)),
+            rng.uniform(-0.5, 0.5, bias_shape))
+
+
+def named(prefix, kernel, rec, bias):
+    return [(f"{prefix}/kernel:0", kernel), (f"{prefix}/recurrent_kernel:0", rec), (f"{prefix}/bias:0", bias)]
+
+
+def expect(fn, width, seed=7):
+    x = batch(seed)
+    return x, k2.run_ragged(fn, x.astype(np.float64), RAGGED, width)
+
+
+def test_keras224_full_lstm_hard_sigmoid(tmp_path):
+    kr, rr, br = weights(np.random.default_rng(0), I, 13, 4, (52,))
+    layer = k2.K2Layer("lstm_1", "LSTM", {"units": 13, "activation": "tanh", "recurrent_activation": "hard_sigmoid",
+                                          "return_sequences": True, "go_backwards": False},
+                       named("lstm_1", kr, rr, br))
+    packed = convert(k2.write_h5(tmp_path / "k224.h5", [layer], "2.2.4", full=True))
+    assert packed.spec.blocks[0].variant["activations"][0][0] == {"name": "hard_sigmoid", "alpha": 0.2, "beta": 0.5}
+    x, expected = expect(lambda s: k2.run_lstm(s, kr, rr, br, rec_act=k2.hard_sigmoid_k2), 13)
+    close(ours(packed, x, RAGGED), expected)
+
+
+def test_keras216_weights_only_gru(tmp_path):
+    kr, rr, br = weights(np.random.default_rng(1), I, 6, 3, (18,))
+    layer = k2.K2Layer("gru_1", "GRU", {}, named("gru_1", kr, rr, br))
+    path = k2.write_h5(tmp_path / "k216.h5", [layer], "2.1.6", full=False)
+    packed = convert(path)
+    note = " ".join(packed.provenance["notes"])
+    assert "Keras 2.1.6" in note and "'hard_sigmoid'" in note and "--recurrent-activation sigmoid" in note
+    assert "reset_after=False" in note
+    assert packed.spec.blocks[0].variant["reset_before"] is True
+    x, expected = expect(lambda s: k2.run_gru(s, kr, rr, br, False, rec_act=k2.hard_sigmoid_k2), 6)
+    close(ours(packed, x, RAGGED), expected)
+    packed = convert(path, recurrent_activation="sigmoid")
+    x, expected = expect(lambda s: k2.run_gru(s, kr, rr, br, False), 6)
+    close(ours(packed, x, RAGGED), expected)
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_tf_keras2_functional_bidirectional(tmp_path, full):
+    rng = np.random.default_rng(2)
+    kl, rl, bl = weights(rng, I, 5, 4, (20,))
+    gru = [weights(rng, 5, 4, 3, (2, 12)) for _ in range(2)]
+    cfg = {"activation": "tanh", "recurrent_activation": "sigmoid", "return_sequences": True}
+    bi_w = (named("bidirectional/forward_gru/gru_cell", *gru[0]) + named("bidirectional/backward_gru/gru_cell", *gru[1]))
+    layers = [k2.K2Layer("lstm", "LSTM", {**cfg, "units": 5}, named("lstm/lstm_cell", kl, rl, bl)),
+              k2.K2Layer("bidirectional", "Bidirectional",
+                         {"merge_mode": "concat", "layer": {"class_name": "GRU", "config": {
+                             **cfg, "name": "gru", "units": 4, "reset_after": True}}}, bi_w)]
+    packed = convert(k2.write_h5(tmp_path / "tf2.h5", layers, "2.4.0", full=full, functional=True))
+    assert [(b.cell, b.bidirectional) for b in packed.spec.blocks] == [("lstm", False), ("gru", True)]
+
+    def fn(s):
+        y = k2.run_lstm(s, kl, rl, bl)
+        fwd = k2.run_gru(y, *gru[0], True)
+        bwd = k2.run_gru(y[::-1], *gru[1], True)[::-1]
+        return np.concatenate([fwd, bwd], axis=1)
+
+    x, expected = expect(fn, 8)
+    close(ours(packed, x, RAGGED), expected)
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_cudnn_layers(tmp_path, full):
+    rng = np.random.default_rng(3)
+    kl, rl, bl = weights(rng, I, 5, 4, (40,))
+    kg, rg, bg = weights(rng, 5, 6, 3, (36,))
+    layers = [k2.K2Layer("cu_dnnlstm_1", "CuDNNLSTM", {"units": 5, "return_sequences": True},
+                         named("cu_dnnlstm_1", kl, rl, bl)),
+              k2.K2Layer("cu_dnngru_1", "CuDNNGRU", {"units": 6, "return_sequences": True},
+                         named("cu_dnngru_1", kg, rg, bg))]
+    packed = convert(k2.write_h5(tmp_path / "cudnn.h5", layers, "2.2.4", full=full, sequential_list=True))
+    assert [b.cell for b in packed.spec.blocks] == ["lstm", "gru"] and packed.spec.blocks[1].is_cudnn
+    x, expected = expect(lambda s: k2.run_cudnn_gru(k2.run_cudnn_lstm(s, kl, rl, bl), kg, rg, bg), 6)
+    close(ours(packed, x, RAGGED), expected)
+
+
+def test_weights_only_layer_order(tmp_path):
+    model = keras.Sequential([keras.Input((None, I)), L.LSTM(5, return_sequences=True, name="a"),
+                              L.GRU(5, return_sequences=True, name="b"), L.LSTM(5, return_sequences=True, name="c")])
+    randomize(model)
+    path = save(model, tmp_path, "weights")
+    with pytest.raises(ConversionError, match="does not record the order.*more than one order.*--select with the "
+                                              "layers in model order"):
+        convert(path)
+    packed = convert(path, select="a,b,c")
+    x = np.random.default_rng(6).standard_normal((B, T, I)).astype(np.float32)
+    close(ours(packed, x), kout(model, x))
+    two = keras.Sequential([keras.Input((None, I)), L.GRU(4, return_sequences=True, name="g"),
+                            L.LSTM(3, return_sequences=True, name="l")])
+    notes = convert(save(two, tmp_path, "weights", "two")).provenance["notes"]
+    assert "order was inferred from layer sizes: g, l" in notes[0]
+
+
+def test_keras2_bad_files(tmp_path):
+    with pytest.raises(ConversionError, match="Keras 1.2.2.*Keras 2 and later"):
+        convert(k2.write_h5(tmp_path / "k1.h5", [], "1.2.2", full=False))
+    dense = k2.K2Layer("dense_1", "Dense", {"units": 3}, [("dense_1/kernel:0", np.ones((7, 3)))])
+    with pytest.raises(ConversionError, match="no recurrent layer.*'dense_1'"):
+        convert(k2.write_h5(tmp_path / "dense.h5", [dense], "2.2.4", full=False))
+    keras1 = k2.K2Layer("lstm_1", "LSTM", {"units": 4}, [("lstm_1_W_i", np.ones((7, 4)))])
+    with pytest.raises(ConversionError, match="'lstm_1' is a LSTM but .* holds no kernel.*Keras 1"):
+        convert(k2.write_h5(tmp_path / "k1names.h5", [keras1], "2.0.0", full=True))
+    kr, rr, _ = weights(np.random.default_rng(4), I, 4, 4, (16,))
+    odd = k2.K2Layer("lstm_1", "LSTM", {"units": 4}, named("lstm_1", kr, rr, np.zeros(12)))
+    with pytest.raises(ConversionError, match=r"'lstm_1'.*bias has shape \(12,\), expected \(16,\)"):
+        convert(k2.write_h5(tmp_path / "odd.h5", [odd], "2.2.4", full=True))
