@@ -1,0 +1,235 @@
+"""Which recurrent nodes of an ONNX graph form one stack, and in what order.
+
+Node k+1 of a stack must read node k's ``Y`` through shape-only ops (the
+Transpose/Reshape/Squeeze that exporters put between layers), and those ops must
+turn ``Y`` ([T, D, B, H], or [B, T, D, H] with layout=1) into exactly the
+[T, B, D*H] (or [B, T, D*H]) the next node expects. That is checked by following
+axis labels through the ops.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from onnx import NodeProto
+
+from ..errors import ConversionError
+from .onnx_graph import RECURRENT_OPS, GraphIndex
+
+Label = tuple[str, ...]   # atoms "T", "B", "D", "H"; () is an axis of size 1
+
+
+class _Unfollowable(Exception):
+    pass
+
+
+@dataclass
+class Edge:
+    """``dst`` reads ``src``'s Y; ``problem`` says why the rearrangement between them is not a plain stack."""
+
+    src: NodeProto
+    dst: NodeProto
+    problem: str | None
+
+
+def _dims(index: GraphIndex, node: NodeProto) -> tuple[int, int]:
+    """(D, H) of a recurrent node, from its attributes and R."""
+    d = 2 if _str(index.attr(node, "direction", b"forward")) == "bidirectional" else 1
+    h = index.attr(node, "hidden_size")
+    if h is None and len(node.input) > 2:
+        r = index.constant(node.input[2])
+        h = None if r is None else r.shape[-1]
+    return d, int(h or 0)
+
+
+def _str(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class _Axes:
+    def __init__(self, d: int, h: int) -> None:
+        self.sizes = {"D": d, "H": h}
+
+    def norm(self, label: Label) -> Label:
+        return tuple(a for a in label if self.sizes.get(a, 0) != 1)
+
+    def size(self, label: Label) -> int | None:
+        n = 1
+        for a in label:
+            if a not in self.sizes:
+                return None
+            n *= self.sizes[a]
+        return n
+
+
+def _axes_arg(index: GraphIndex, node: NodeProto, rank: int, added: bool = False) -> list[int] | None:
+    """The op's axes, made non-negative for input rank ``rank`` (output rank for Unsqueeze: ``added``)."""
+    axes = index.attr(node, "axes")
+    if axes is None and len(node.input) > 1 and node.input[1]:
+        value = index.constant(node.input[1])
+        if value is None:
+            raise _Unfollowable(f"{node.op_type} '{index.name(node)}' has computed axes")
+        axes = value.reshape(-1).tolist()
+    if axes is None:
+        return None
+    rank += len(axes) if added else 0
+    return [int(a) + rank if int(a) < 0 else int(a) for a in axes]
+
+
+def _reshape(ax: _Axes, labels: list[Label], shape: list[int], what: str) -> list[Label]:
+    def consume(target: int, cur: int, step: int) -> tuple[Label, int]:
+        acc: Label = ()
+        prod = 1
+        while 0 <= cur < len(labels):
+            lab = labels[cur]
+            s = ax.size(lab)
+            if s is None:
+                if acc:
+                    raise _Unfollowable(f"{what} merges the time or batch axis with others")
+                return lab, cur + step
+            acc = acc + lab if step > 0 else lab + acc
+            prod *= s
+            cur += step
+            if prod == target:
+                return acc, cur
+            if prod > target:
+                break
+        raise _Unfollowable(f"{what} splits an axis")
+
+    if shape.count(-1) > 1:
+        raise _Unfollowable(f"{what} has more than one -1")
+    split = shape.index(-1) if -1 in shape else len(shape)
+    left, right = shape[:split], shape[split + 1:]
+    out_left: list[Label] = []
+    cur = 0
+    for j, e in enumerate(left):
+        if e == 0:
+            if cur != j:
+                raise _Unfollowable(f"{what} copies an axis out of place")
+            out_left.append(labels[j])
+            cur += 1
+        elif e == 1 and (cur >= len(labels) or ax.size(labels[cur]) != 1):
+            out_left.append(())
+        else:
+            lab, cur = consume(e, cur, 1)
+            out_left.append(lab)
+    end = len(labels) - 1
+    out_right: list[Label] = []
+    for e in reversed(right):
+        if e == 0 or (e == 1 and ax.size(labels[end]) != 1):
+            if e == 0:
+                raise _Unfollowable(f"{what} copies an axis after -1")
+            out_right.insert(0, ())
+            continue
+        lab, end = consume(e, end, -1)
+        out_right.insert(0, lab)
+    if split < len(shape):
+        middle: Label = tuple(a for lab in labels[cur:end + 1] for a in lab)
+        return out_left + [middle] + out_right
+    if any(ax.size(lab) != 1 for lab in labels[cur:end + 1]):
+        raise _Unfollowable(f"{what} does not keep every element")
+    return out_left + out_right
+
+
+def follow_labels(index: GraphIndex, src: NodeProto, ops: list[NodeProto]) -> list[Label]:
+    """Axis labels of the value that ``ops`` make from ``src``'s Y."""
+    d, h = _dims(index, src)
+    ax = _Axes(d, h)
+    labels: list[Label] = [("B",), ("T",), ("D",), ("H",)] if index.attr(src, "layout", 0) == 1 else \
+        [("T",), ("D",), ("B",), ("H",)]
+    for node in ops:
+        what = f"{node.op_type} '{index.name(node)}'"
+        op = node.op_type
+        if op in ("Identity", "Dropout", "Cast"):
+            continue
+        if op == "Transpose":
+            perm = index.attr(node, "perm") or list(range(len(labels)))[::-1]
+            labels = [labels[p] for p in perm]
+        elif op == "Squeeze":
+            axes = _axes_arg(index, node, len(labels))
+            if axes is None:
+                axes = [j for j, lab in enumerate(labels) if ax.size(lab) == 1]
+            if any(ax.size(labels[a]) != 1 for a in axes):
+                raise _Unfollowable(f"{what} squeezes an axis that may not have size 1")
+            labels = [lab for j, lab in enumerate(labels) if j not in axes]
+        elif op == "Unsqueeze":
+            axes = _axes_arg(index, node, len(labels), added=True)
+            if axes is None:
+                raise _Unfollowable(f"{what} has no axes")
+            for a in sorted(axes):
+                labels.insert(a, ())
+        elif op == "Flatten":
+            axis = int(index.attr(node, "axis", 1))
+            axis = axis + len(labels) if axis < 0 else axis
+            labels = [tuple(a for lab in labels[:axis] for a in lab), tuple(a for lab in labels[axis:] for a in lab)]
+        elif op == "Reshape":
+            shape = index.constant(node.input[1]) if len(node.input) > 1 else None
+            if shape is None:
+                raise _Unfollowable(f"{what} has a computed target shape")
+            if index.attr(node, "allowzero", 0) and 0 in shape.tolist():
+                raise _Unfollowable(f"{what} reshapes to an empty tensor")
+            labels = _reshape(ax, labels, [int(s) for s in shape.reshape(-1)], what)
+        else:
+            raise _Unfollowable(f"{what} is not a shape-only op")
+    return [ax.norm(lab) for lab in labels]
+
+
+def find_edges(index: GraphIndex, nodes: list[NodeProto]) -> list[Edge]:
+    """Every (src, dst) pair where dst's X comes from src's Y through shape-only ops."""
+    edges = []
+    for dst in nodes:
+        traced = index.trace_input(dst.input[0]) if dst.input else None
+        if traced is None or not any(traced.source is n for n in nodes):
+            continue
+        src = traced.source
+        d, h = _dims(index, src)
+        ax = _Axes(d, h)
+        want = [("B",), ("T",), ax.norm(("D", "H"))] if index.attr(dst, "layout", 0) == 1 else \
+            [("T",), ("B",), ax.norm(("D", "H"))]
+        try:
+            got = follow_labels(index, src, traced.ops)
+            problem = None if got == want else (
+                f"the ops between them turn Y into axes {_show(got)} where '{index.name(dst)}' expects {_show(want)}")
+        except _Unfollowable as exc:
+            problem = str(exc)
+        edges.append(Edge(src, dst, problem))
+    return edges
+
+
+def _show(labels: list[Label]) -> str:
+    return "[" + ", ".join("*".join(lab) or "1" for lab in labels) + "]"
+
+
+def order_chain(index: GraphIndex, nodes: list[NodeProto], edges: list[Edge]) -> list[NodeProto]:
+    """Order ``nodes`` as one stack (each reads the previous one's Y); refuse anything else by name."""
+    ids = {id(n) for n in nodes}
+    inner = [e for e in edges if id(e.src) in ids and id(e.dst) in ids]
+    for e in inner:
+        if e.problem:
+            raise ConversionError(
+                f"node '{index.name(e.dst)}' reads the output of '{index.name(e.src)}', "
+                f"but not as a plain layer stack: "
+                f"{e.problem}"
+            )
+    nxt = {id(e.src): e.dst for e in inner}
+    has_prev = {id(e.dst) for e in inner}
+    heads = [n for n in nodes if id(n) not in has_prev]
+    chains = []
+    for head in heads:
+        chain = [head]
+        while id(chain[-1]) in nxt and len(chain) <= len(nodes):
+            chain.append(nxt[id(chain[-1])])
+        chains.append(chain)
+    branching = len({id(e.src) for e in inner}) != len(inner)
+    if len(chains) == 1 and not branching and len(chains[0]) == len(nodes):
+        return chains[0]
+    listing = "; ".join(" -> ".join(index.name(n) for n in c) for c in chains)
+    reason = "one recurrent output feeds several recurrent nodes" if branching else \
+        f"they form {len(chains)} separate chains ({listing})"
+    raise ConversionError(
+        f"the recurrent nodes {', '.join(index.name(n) for n in nodes)} are not one stack: {reason}. "
+        f"Pick one chain with --select name1,name2,... (in data-flow order or any order)"
+    )
+
+
+def recurrent_nodes(index: GraphIndex) -> list[NodeProto]:
+    return [n for n in index.nodes if n.op_type in RECURRENT_OPS and n.domain in ("", "ai.onnx")]

@@ -1,0 +1,254 @@
+"""Reading an ONNX file safely and answering questions about its data flow.
+
+:func:`read_model` parses the protobuf without touching external data;
+:class:`GraphIndex` flattens the main graph and every subgraph (``If``, ``Loop``,
+``Scan`` bodies) into one name space, names the unnamed nodes, resolves constant
+tensors (reading external data only from inside the model's own folder) and
+traces a recurrent node's input back through shape-only ops.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import AttributeProto, NodeProto, TensorProto, helper, numpy_helper
+
+from ..errors import ConversionError
+
+RECURRENT_OPS = ("LSTM", "GRU", "RNN")
+# Ops that move or relabel data without changing values.
+SHAPE_OPS = ("Transpose", "Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatten", "Dropout", "Cast")
+# Ops whose output is a constant when every input is one; folded with onnx's reference evaluator.
+FOLDABLE_OPS = SHAPE_OPS + (
+    "Concat", "Slice", "Split", "Gather", "Constant", "ConstantOfShape", "Expand", "Tile", "Mul", "Add", "Sub",
+    "Div", "Neg", "Shape", "Range", "ReduceSum", "CastLike",
+)
+
+
+def read_model(path: Path) -> onnx.ModelProto:
+    """Parse ``path`` without loading external data; refuse unreadable files with a clear message."""
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf raises DecodeError and friends
+        raise ConversionError(
+            f"'{path.name}' is not a readable ONNX model: the file is truncated or corrupt "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
+    if not model.HasField("graph") or not model.graph.node:
+        raise ConversionError(f"'{path.name}' holds no ONNX graph (is the file truncated or not an ONNX model?)")
+    return model
+
+
+def _subgraphs(node: NodeProto) -> list[onnx.GraphProto]:
+    out = []
+    for attr in node.attribute:
+        if attr.type == AttributeProto.GRAPH:
+            out.append(attr.g)
+        elif attr.type == AttributeProto.GRAPHS:
+            out.extend(attr.graphs)
+    return out
+
+
+@dataclass
+class Traced:
+    """Where a recurrent node's X comes from: another recurrent node's Y, through ``ops``."""
+
+    source: NodeProto
+    ops: list[NodeProto]
+
+
+class GraphIndex:
+    """The model's nodes, values and constants, with every subgraph flattened in."""
+
+    def __init__(self, model: onnx.ModelProto, model_dir: Path) -> None:
+        self.model = model
+        self.model_dir = model_dir.resolve()
+        self.nodes: list[NodeProto] = []
+        self.names: dict[int, str] = {}          # id(node) -> display name
+        self.producer: dict[str, tuple[NodeProto, int]] = {}
+        self.initializers: dict[str, TensorProto] = {}
+        self.graph_inputs: set[str] = set()      # inputs without an initializer, incl. subgraph inputs
+        self.consumers: dict[str, list[NodeProto]] = {}
+        self._const_cache: dict[str, np.ndarray | None] = {}
+        self._walk(model.graph)
+        self.graph_inputs -= set(self.initializers)
+        self._name_nodes()
+
+    def _walk(self, graph: onnx.GraphProto) -> None:
+        for init in graph.initializer:
+            self.initializers.setdefault(init.name, init)
+        for sparse in graph.sparse_initializer:
+            self.initializers.setdefault(sparse.values.name, numpy_helper.from_array(
+                numpy_helper.to_array(sparse), sparse.values.name))
+        self.graph_inputs.update(i.name for i in graph.input)
+        for node in graph.node:
+            self.nodes.append(node)
+            for k, out in enumerate(node.output):
+                if out:
+                    self.producer.setdefault(out, (node, k))
+            for inp in node.input:
+                self.consumers.setdefault(inp, []).append(node)
+            for sub in _subgraphs(node):
+                self._walk(sub)
+
+    def _name_nodes(self) -> None:
+        """Unnamed nodes are called ``<op>_<k>``, k counting nodes of that op type in graph order."""
+        counts: dict[str, int] = {}
+        taken = {n.name for n in self.nodes if n.name}
+        seen: set[str] = set()
+        for node in self.nodes:
+            k = counts.get(node.op_type, 0)
+            counts[node.op_type] = k + 1
+            name = node.name or f"{node.op_type}_{k}"
+            if not node.name:
+                while name in taken:
+                    name += "_"
+            if name in seen:  # duplicate names in the file: keep them apart
+                name = f"{name}#{k}"
+            seen.add(name)
+            self.names[id(node)] = name
+        self.unnamed = any(not n.name for n in self.nodes)
+
+    def name(self, node: NodeProto) -> str:
+        return self.names[id(node)]
+
+    def opset(self) -> int:
+        for imp in self.model.opset_import:
+            if imp.domain in ("", "ai.onnx"):
+                return int(imp.version)
+        return 0
+
+    # ---- constants -------------------------------------------------------------------------------------------
+
+    def tensor_to_array(self, tensor: TensorProto) -> np.ndarray:
+        """Decode a tensor, reading external data only from files inside the model's folder."""
+        if tensor.data_location == TensorProto.EXTERNAL:
+            tensor = self._load_external(tensor)
+        try:
+            return numpy_helper.to_array(tensor)
+        except Exception as exc:
+            raise ConversionError(f"tensor '{tensor.name}' cannot be decoded ({exc}); is the file corrupt?") from exc
+
+    def _load_external(self, tensor: TensorProto) -> TensorProto:
+        info = {e.key: e.value for e in tensor.external_data}
+        location = info.get("location", "")
+        if not location:
+            raise ConversionError(f"tensor '{tensor.name}' is stored externally but names no file")
+        target = Path(location)
+        resolved = (self.model_dir / target).resolve()
+        if target.is_absolute() or not resolved.is_relative_to(self.model_dir):
+            raise ConversionError(
+                f"tensor '{tensor.name}' points to external data '{location}', which is outside the model's folder "
+                f"'{self.model_dir}'; external data files must sit in the model's folder or below it"
+            )
+        if not resolved.is_file():
+            raise ConversionError(
+                f"external data file '{location}' of tensor '{tensor.name}' does not exist next to the model")
+        offset = int(info.get("offset", 0) or 0)
+        count = np.prod(tensor.dims, dtype=np.int64) * helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+        length = int(info.get("length", 0) or count)
+        size = resolved.stat().st_size
+        if offset + length > size or length != count:
+            raise ConversionError(
+                f"external data of tensor '{tensor.name}' in '{location}' is truncated or inconsistent: needs bytes "
+                f"{offset}..{offset + count} (shape {list(tensor.dims)}), the file has {size} bytes"
+            )
+        with open(resolved, "rb") as fh:
+            fh.seek(offset)
+            raw = fh.read(length)
+        copy = TensorProto()
+        copy.CopyFrom(tensor)
+        del copy.external_data[:]
+        copy.data_location = TensorProto.DEFAULT
+        copy.raw_data = raw
+        return copy
+
+    def constant(self, name: str) -> np.ndarray | None:
+        """The value of ``name`` when it is a constant (initializer, Constant node, or folded from them), else None."""
+        if name in self._const_cache:
+            return self._const_cache[name]
+        self._const_cache[name] = None  # breaks cycles
+        value = self._constant(name)
+        self._const_cache[name] = value
+        return value
+
+    def _constant(self, name: str) -> np.ndarray | None:
+        if name in self.initializers:
+            return self.tensor_to_array(self.initializers[name])
+        if name in self.graph_inputs or name not in self.producer:
+            return None
+        node, k = self.producer[name]
+        if node.domain not in ("", "ai.onnx") or node.op_type not in FOLDABLE_OPS:
+            return None
+        if node.op_type == "Constant":
+            attr = node.attribute[0]
+            if attr.type == AttributeProto.TENSOR:
+                return self.tensor_to_array(attr.t)
+            return np.asarray(helper.get_attribute_value(attr))
+        if node.op_type == "Shape":
+            return None  # depends on a runtime shape in the cases that matter
+        inputs = [self.constant(i) if i else None for i in node.input]
+        if any(v is None for v, i in zip(inputs, node.input) if i):
+            return None
+        return self._fold(node, k, inputs)
+
+    def _fold(self, node: NodeProto, k: int, inputs: list[np.ndarray | None]) -> np.ndarray | None:
+        from onnx.reference import ReferenceEvaluator
+
+        names = [f"in{j}" if i else "" for j, i in enumerate(node.input)]
+        outs = [f"out{j}" for j in range(len(node.output))]
+        folded = helper.make_node(node.op_type, names, outs, domain=node.domain)
+        folded.attribute.extend(node.attribute)
+        graph = helper.make_graph(
+            [folded], "fold", [],
+            [helper.make_tensor_value_info(o, TensorProto.UNDEFINED, None) for o in outs],
+            [numpy_helper.from_array(np.asarray(v), n) for v, n in zip(inputs, names) if n],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", max(self.opset(), 13))])
+        try:
+            return np.asarray(ReferenceEvaluator(model).run(None, {})[k])
+        except Exception:
+            return None
+
+    def depends_on_input(self, name: str, _seen: set[str] | None = None) -> str | None:
+        """The first graph input whose *values* flow into ``name`` (Shape cuts the flow), or None."""
+        seen = _seen if _seen is not None else set()
+        if not name or name in seen or name in self.initializers:
+            return None
+        seen.add(name)
+        if name in self.graph_inputs:
+            return name
+        if name not in self.producer:
+            return None
+        node, _ = self.producer[name]
+        if node.op_type == "Shape":
+            return None
+        for inp in node.input:
+            found = self.depends_on_input(inp, seen)
+            if found:
+                return found
+        return None
+
+    # ---- data flow -------------------------------------------------------------------------------------------
+
+    def trace_input(self, name: str) -> Traced | None:
+        """Follow ``name`` back through shape-only ops to a recurrent node's Y; None when it comes from elsewhere."""
+        ops: list[NodeProto] = []
+        while name in self.producer:
+            node, k = self.producer[name]
+            if node.op_type in RECURRENT_OPS and node.domain in ("", "ai.onnx"):
+                return Traced(node, ops[::-1]) if k == 0 else None
+            if node.op_type not in SHAPE_OPS or not node.input:
+                return None
+            ops.append(node)
+            name = node.input[0]
+        return None
+
+    def attr(self, node: NodeProto, name: str, default: Any = None) -> Any:
+        for a in node.attribute:
+            if a.name == name:
+                return helper.get_attribute_value(a)
+        return default

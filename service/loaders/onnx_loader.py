@@ -1,0 +1,166 @@
+"""ONNX loader: LSTM, GRU and RNN nodes -> RecurrentLayers, and an onnxruntime runner to verify them.
+
+One ONNX node is one layer (layouts.md section 4). Exporters put a node per layer
+with Transpose/Reshape/Squeeze between them; :mod:`.onnx_chain` follows that data
+flow and :func:`service.loaders.layers.assemble` merges the layers into blocks.
+Everything around the recurrent stack (embeddings, heads, state plumbing) is not
+converted; rnnserve serves the stack.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from onnx import NodeProto, TensorProto, helper, numpy_helper
+
+from ..errors import ConversionError
+from .onnx_chain import find_edges, order_chain, recurrent_nodes
+from .onnx_graph import SHAPE_OPS, GraphIndex, read_model
+from .onnx_nodes import node_to_layer
+from .source import LoadedSource, SourceRunner
+
+_PLUMBING = set(SHAPE_OPS) | {"Constant", "Shape", "Gather", "Concat", "Expand", "ConstantOfShape", "Slice"}
+_RUNNER_OPSET = 17
+
+
+def load_onnx(path: Path, select: str | None = None, cell: str | None = None, **options: Any) -> LoadedSource:
+    """Read the recurrent stack of an ONNX model.
+
+    ``select`` names nodes (comma-separated; unnamed nodes are ``<op>_<k>``, k counting
+    that op type in graph order, subgraphs included). Without it, every recurrent node
+    of the graph must belong to one stack. ``cell``, when given, must match the nodes.
+    Other ``options`` are accepted for interface compatibility and ignored.
+    """
+    path = Path(path)
+    index = GraphIndex(read_model(path), path.parent)
+    candidates = recurrent_nodes(index)
+    if not candidates:
+        ops = sorted({n.op_type for n in index.nodes})
+        raise ConversionError(f"'{path.name}' has no LSTM, GRU or RNN node (its ops: {', '.join(ops[:12])})")
+    chosen = _select(index, candidates, select) if select else candidates
+    chain = order_chain(index, chosen, find_edges(index, chosen))
+    notes: list[str] = []
+    layers = [node_to_layer(index, node, notes) for node in chain]
+    if cell:
+        for layer in layers:
+            if layer.cell != cell:
+                raise ConversionError(f"--cell {cell} does not match node '{layer.name}', an ONNX "
+                                      f"{_node(chain, layer.name, index).op_type} ({layer.cell})")
+    others = sorted({n.op_type for n in index.nodes if n.op_type not in _PLUMBING and n.op_type not in
+                     ("LSTM", "GRU", "RNN")})
+    if others or len(candidates) > len(chain):
+        notes.append(f"only the recurrent stack {' -> '.join(index.name(n) for n in chain)} is converted; the graph "
+                     f"also has {', '.join(others) or 'other recurrent nodes'}, which rnnserve does not serve")
+    producer = model_producer(index)
+    return LoadedSource(
+        format="onnx",
+        layers=layers,
+        selection=[index.name(n) for n in chain],
+        notes=notes,
+        runner=_make_runner(index, chain),
+        ragged_ok=True,
+        details={"onnx_opset": index.opset(), **({"onnx_producer": producer} if producer else {})},
+    )
+
+
+def model_producer(index: GraphIndex) -> str:
+    m = index.model
+    return f"{m.producer_name} {m.producer_version}".strip()
+
+
+def _node(chain: list[NodeProto], name: str, index: GraphIndex) -> NodeProto:
+    return next(n for n in chain if index.name(n) == name)
+
+
+def _select(index: GraphIndex, candidates: list[NodeProto], select: str) -> list[NodeProto]:
+    wanted = list(dict.fromkeys(s.strip() for s in select.split(",") if s.strip()))
+    available = ", ".join(f"{index.name(n)} ({n.op_type})" for n in candidates)
+    hint = " (unnamed nodes are called <op>_<k>, k counting that op type in graph order)" if index.unnamed else ""
+    if not wanted:
+        raise ConversionError(f"--select '{select}' names no node; recurrent nodes: {available}{hint}")
+    by_name = {index.name(n): n for n in index.nodes}
+    chosen = []
+    for name in wanted:
+        node = by_name.get(name)
+        if node is None:
+            raise ConversionError(f"--select: the model has no node named '{name}'; recurrent nodes: {available}{hint}")
+        if not any(node is c for c in candidates):
+            raise ConversionError(f"--select: node '{name}' is a {node.op_type}, not an LSTM, GRU or RNN node; "
+                                  f"recurrent nodes: {available}{hint}")
+        chosen.append(node)
+    return chosen
+
+
+# ---- runner -------------------------------------------------------------------------------------------------------
+
+def chain_model(index: GraphIndex, chain: list[NodeProto]):
+    """An ONNX model of just ``chain``: X [T, B, I] (layout 0), sequence_lens [B] -> Y [B, T, D*H].
+
+    The nodes keep their own attributes (activations, clip, ...) and the file's weights
+    in ONNX order, so running it checks the gate mapping independently.
+    """
+    nodes, inits = [], []
+    x = "X"
+    for k, node in enumerate(chain):
+        inputs = [x]
+        for slot, label in ((1, "W"), (2, "R"), (3, "B")):
+            value = index.constant(node.input[slot]) if len(node.input) > slot and node.input[slot] else None
+            if value is None and label == "B":
+                value = np.zeros((index.constant(node.input[1]).shape[0], 2 * index.constant(node.input[2]).shape[1]))
+            inits.append(numpy_helper.from_array(np.asarray(value, np.float32), f"{label}{k}"))
+            inputs.append(f"{label}{k}")
+        inputs += ["sequence_lens", "", ""]
+        if node.op_type == "LSTM" and len(node.input) > 7 and node.input[7]:
+            inits.append(numpy_helper.from_array(np.asarray(index.constant(node.input[7]), np.float32), f"P{k}"))
+            inputs.append(f"P{k}")
+        inputs = inputs[:6] if node.op_type != "LSTM" else inputs
+        while inputs and inputs[-1] == "":
+            inputs.pop()
+        copy = helper.make_node(node.op_type, inputs, [f"Y{k}"], name=f"{node.op_type}{k}")
+        copy.attribute.extend(a for a in node.attribute if a.name != "layout")
+        nodes.append(copy)
+        d = 2 if index.attr(node, "direction", b"forward") in (b"bidirectional", "bidirectional") else 1
+        if d == 2:
+            nodes.append(helper.make_node("Transpose", [f"Y{k}"], [f"Yt{k}"], perm=[0, 2, 1, 3]))
+            nodes.append(helper.make_node("Reshape", [f"Yt{k}", "flat"], [f"S{k}"]))
+        else:
+            nodes.append(helper.make_node("Squeeze", [f"Y{k}", "axis1"], [f"S{k}"]))
+        x = f"S{k}"
+    nodes.append(helper.make_node("Transpose", [x], ["Y"], perm=[1, 0, 2]))
+    used = {i for n in nodes for i in n.input}
+    inits += [numpy_helper.from_array(np.array(v, np.int64), n)
+              for n, v in (("flat", [0, 0, -1]), ("axis1", [1])) if n in used]
+    graph = helper.make_graph(
+        nodes, "rnnserve_chain",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["T", "B", None]),
+         helper.make_tensor_value_info("sequence_lens", TensorProto.INT32, ["B"])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["B", "T", None])],
+        inits,
+    )
+    # IR 8 (onnx 1.13) keeps the model readable by any onnxruntime this project supports.
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", _RUNNER_OPSET)], ir_version=8)
+
+
+def _make_runner(index: GraphIndex, chain: list[NodeProto]) -> SourceRunner | None:
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    model_bytes = chain_model(index, chain).SerializeToString()
+    session = []
+
+    def run(x: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        if not session:
+            opts = ort.SessionOptions()
+            opts.intra_op_num_threads = 1
+            opts.inter_op_num_threads = 1
+            opts.log_severity_level = 3
+            session.append(ort.InferenceSession(model_bytes, opts, providers=["CPUExecutionProvider"]))
+        xt = np.ascontiguousarray(np.asarray(x, np.float32).transpose(1, 0, 2))
+        lens = np.asarray(lengths, np.int32)
+        y = session[0].run(["Y"], {"X": xt, "sequence_lens": lens})[0]
+        y[np.arange(y.shape[1])[None, :] >= lens[:, None]] = 0.0  # the engine contract; ORT already zeroes these
+        return y
+
+    return run

@@ -1,0 +1,446 @@
+"""ONNX loader: every conversion is checked against onnxruntime's own output on the same input."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+from service.engines.reference import ReferenceEngine  # noqa: E402
+from service.errors import ConversionError  # noqa: E402
+from service.loaders import convert  # noqa: E402
+from service.loaders.onnx_loader import load_onnx  # noqa: E402
+from service.loaders.verify import ATOL, RTOL  # noqa: E402
+
+GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
+
+
+def _session(model_or_path):
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.log_severity_level = 3
+    src = model_or_path.SerializeToString() if hasattr(model_or_path, "SerializeToString") else str(model_or_path)
+    return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
+
+
+def _ours(path, x, lengths=None, h0=None, c0=None, **kw):
+    model = convert(path, format="onnx", **kw)
+    return model, ReferenceEngine(model, dtype=np.float64).forward(x.astype(np.float64), lengths, h0, c0)
+
+
+def _close(got, expected):
+    np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+
+
+# ---- (1) files exported by torch.onnx.export ---------------------------------------------------------------------
+
+torch = pytest.importorskip("torch")
+
+
+def _export(tmp_path, kind, layers, bidirectional, batch_first, dynamo=False, **kw):
+    torch.manual_seed(0)
+    module = getattr(torch.nn, kind)(5, 6, num_layers=layers, bidirectional=bidirectional,
+                                     batch_first=batch_first, **kw).eval()
+    x = torch.randn(2, 4, 5) if batch_first else torch.randn(4, 2, 5)
+    path = tmp_path / f"{kind.lower()}.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if dynamo:
+            torch.onnx.export(module, (x,), dynamo=True).save(str(path))
+        else:
+            torch.onnx.export(module, (x,), str(path), dynamo=False, input_names=["x"],
+                              dynamic_axes={"x": {0: "a", 1: "b"}})
+    return path, module
+
+
+@pytest.mark.parametrize("kind,layers,bidirectional,batch_first,kw", [
+    ("LSTM", 1, False, False, {}),
+    ("LSTM", 3, True, True, {}),
+    ("GRU", 1, False, True, {}),
+    ("GRU", 3, True, False, {}),
+    ("RNN", 1, True, False, {"nonlinearity": "relu"}),
+    ("RNN", 3, False, True, {}),
+])
+def test_torch_export_matches_onnxruntime(tmp_path, kind, layers, bidirectional, batch_first, kw):
+    path, _ = _export(tmp_path, kind, layers, bidirectional, batch_first, **kw)
+    x = np.random.default_rng(1).standard_normal((3, 6, 5)).astype(np.float32)
+    sess = _session(path)
+    feed = x if batch_first else x.transpose(1, 0, 2)
+    y = sess.run(None, {sess.get_inputs()[0].name: feed})[0]
+    expected = y if batch_first else y.transpose(1, 0, 2)
+    model, out = _ours(path, x)
+    assert model.provenance["verification"]["checked"]  # the ragged probe through onnxruntime agrees too
+    assert len(model.spec.blocks) == 1 and model.spec.blocks[0].num_layers == layers
+    assert model.spec.blocks[0].is_cudnn
+    _close(out.output, expected)
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_torch_dynamo_export(tmp_path, kind):
+    path, module = _export(tmp_path, kind, 2, True, True, dynamo=True)
+    x = np.random.default_rng(2).standard_normal((2, 4, 5)).astype(np.float32)  # dynamo fixes the shape
+    sess = _session(path)
+    expected = sess.run(None, {sess.get_inputs()[0].name: x})[0]
+    _, out = _ours(path, x)
+    _close(out.output, expected)
+
+
+# ---- (2) hand-built nodes, every attribute and variant -------------------------------------------------------------
+
+def _node_model(op, i=7, h=13, direction="forward", attrs=None, bias=True, peephole=False, states=False,
+                layout=0, scale=0.5, seed=0):
+    """A one-node graph with X, sequence_lens (and initial_h/c) as graph inputs and random weights."""
+    rng = np.random.default_rng(seed)
+    d = 2 if direction == "bidirectional" else 1
+    g = GATES[op]
+    inits = [numpy_helper.from_array((rng.standard_normal((d, g * h, i)) * scale).astype(np.float32), "W"),
+             numpy_helper.from_array((rng.standard_normal((d, g * h, h)) * scale).astype(np.float32), "R")]
+    inputs = ["X", "W", "R", "B" if bias else "", "sequence_lens"]
+    if bias:
+        inits.append(numpy_helper.from_array((rng.standard_normal((d, 2 * g * h)) * scale).astype(np.float32), "B"))
+    batch_axis = ["T", "N"] if layout == 0 else ["N", "T"]
+    graph_inputs = [helper.make_tensor_value_info("X", TensorProto.FLOAT, batch_axis + [i]),
+                    helper.make_tensor_value_info("sequence_lens", TensorProto.INT32, ["N"])]
+    state_shape = [d, "N", h] if layout == 0 else ["N", d, h]
+    inputs.append("initial_h" if states else "")
+    if states:
+        graph_inputs.append(helper.make_tensor_value_info("initial_h", TensorProto.FLOAT, state_shape))
+    if op == "LSTM":
+        inputs.append("initial_c" if states else "")
+        if states:
+            graph_inputs.append(helper.make_tensor_value_info("initial_c", TensorProto.FLOAT, state_shape))
+        if peephole:
+            inits.append(numpy_helper.from_array(rng.standard_normal((d, 3 * h)).astype(np.float32), "P"))
+            inputs.append("P")
+    while inputs[-1] == "":
+        inputs.pop()
+    outputs = ["Y", "Y_h"] + (["Y_c"] if op == "LSTM" else [])
+    node = helper.make_node(op, inputs, outputs, hidden_size=h, direction=direction, layout=layout, **(attrs or {}))
+    graph = helper.make_graph([node], "g", graph_inputs,
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)], ir_version=8)
+
+
+VARIANTS = {
+    "lstm_peephole_bidi": ("LSTM", dict(direction="bidirectional", peephole=True), {"peephole"}),
+    "lstm_peephole_forget_clip": ("LSTM", dict(peephole=True, attrs=dict(input_forget=1, clip=0.7), scale=1.5),
+                                  {"peephole", "input_forget", "clip"}),
+    "lstm_activations": ("LSTM", dict(direction="bidirectional", attrs=dict(
+        activations=["HardSigmoid", "ScaledTanh", "Elu", "Sigmoid", "Softsign", "LeakyRelu"],
+        activation_alpha=[0.3, 0.8, 0.9, 0.05], activation_beta=[0.45, 1.2])), {"activations"}),
+    "lstm_activations_defaults": ("LSTM", dict(attrs=dict(activations=["HardSigmoid", "Tanh", "Softplus"])),
+                                  {"activations"}),
+    "lstm_reverse_nobias": ("LSTM", dict(direction="reverse", bias=False), {"reverse"}),
+    "lstm_layout1_states": ("LSTM", dict(direction="bidirectional", layout=1, states=True), set()),
+    "gru_reset_before_bidi": ("GRU", dict(direction="bidirectional"), {"reset_before"}),
+    "gru_lbr1_clip_states": ("GRU", dict(attrs=dict(linear_before_reset=1, clip=0.4), states=True, scale=1.5),
+                             {"clip"}),
+    "gru_activations_reverse": ("GRU", dict(direction="reverse", attrs=dict(
+        activations=["HardSigmoid", "Affine"], activation_alpha=[0.25, 0.5], activation_beta=[0.5, 0.1])),
+        {"activations", "reverse", "reset_before"}),
+    "gru_thresholded_relu": ("GRU", dict(attrs=dict(linear_before_reset=1, activations=["Sigmoid", "ThresholdedRelu"],
+                                                    activation_alpha=[0.1])),
+                       {"activations"}),
+    "rnn_relu_bidi_states": ("RNN", dict(direction="bidirectional", states=True,
+                                         attrs=dict(activations=["Relu", "Relu"])), set()),
+    "rnn_mixed_clip": ("RNN", dict(direction="bidirectional", scale=1.5, attrs=dict(
+        activations=["Tanh", "LeakyRelu"], activation_alpha=[0.0, 0.2], clip=0.6)), {"activations", "clip"}),
+    "rnn_reverse_layout1": ("RNN", dict(direction="reverse", layout=1), {"reverse"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VARIANTS))
+def test_hand_built_variants_match_onnxruntime(tmp_path, case):
+    op, kw, expected_variant = VARIANTS[case]
+    path = tmp_path / "m.onnx"
+    onnx.save(_node_model(op, **kw), str(path))
+    # onnxruntime refuses layout=1 ("Batchwise recurrent operations ... are not supported"), so it runs the
+    # same node with layout=0; rnnserve reads the layout=1 file.
+    reference = _node_model(op, **{**kw, "layout": 0})
+    d = 2 if kw.get("direction") == "bidirectional" else 1
+    h = 13
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 6, 7)).astype(np.float32)
+    lengths = np.array([6, 1, 3, 5], np.int32)
+    feed = {"X": x.transpose(1, 0, 2), "sequence_lens": lengths}
+    h0 = c0 = None
+    if kw.get("states"):
+        h0 = rng.standard_normal((4, d, h)).astype(np.float32)
+        c0 = rng.standard_normal((4, d, h)).astype(np.float32) if op == "LSTM" else None
+        feed["initial_h"] = h0.transpose(1, 0, 2)
+        if c0 is not None:
+            feed["initial_c"] = c0.transpose(1, 0, 2)
+    results = _session(reference).run(None, feed)
+    y = results[0].transpose(2, 0, 1, 3)  # [T, D, B, H] -> [B, T, D, H]
+    past = np.arange(6)[None, :] >= lengths[:, None]
+    assert np.all(y[past] == 0)  # onnxruntime zeroes Y past each length, as the engine contract does
+    packed, out = _ours(path, x, lengths, h0, c0)
+    assert set(packed.spec.blocks[0].variant_names) == expected_variant
+    _close(out.output, y.reshape(4, 6, d * h))
+    states = [(out.h_n, results[1])] + ([(out.c_n, results[2])] if op == "LSTM" else [])
+    for got, ref in states:
+        _close(got, ref.transpose(1, 0, 2))
+
+
+def test_small_batch_of_one(tmp_path):
+    path = tmp_path / "m.onnx"
+    onnx.save(_node_model("LSTM", i=7, h=13, peephole=True, attrs=dict(clip=2.0)), str(path))
+    x = np.random.default_rng(4).standard_normal((1, 5, 7)).astype(np.float32)
+    y = _session(path).run(None, {"X": x.transpose(1, 0, 2), "sequence_lens": np.array([5], np.int32)})[0]
+    _, out = _ours(path, x)
+    _close(out.output, y.transpose(2, 0, 1, 3).reshape(1, 5, 13))
+
+
+def test_variant_metadata(tmp_path):
+    path = tmp_path / "m.onnx"
+    onnx.save(_node_model("LSTM", direction="bidirectional", peephole=True, attrs=dict(
+        activations=["HardSigmoid", "Tanh", "Tanh"] * 2)), str(path))
+    layer = load_onnx(path).layers[0]
+    assert layer.variant["activations"][1][0] == {"name": "hard_sigmoid", "alpha": 0.2, "beta": 0.5}
+    p = numpy_helper.to_array(onnx.load(str(path)).graph.initializer[-1])  # P [D, 3H] in i, o, f order
+    np.testing.assert_array_equal(layer.peephole[1][1], p[1, 26:39])   # row f <- P_f
+    np.testing.assert_array_equal(layer.peephole[1][2], p[1, 13:26])   # row o <- P_o
+
+
+# ---- (3) graphs with more around them, and bad input ------------------------------------------------------------
+
+def _save(tmp_path, nodes, inits, inputs, outputs, name="m.onnx", opset=14):
+    graph = helper.make_graph(nodes, "g", inputs, outputs, inits)
+    path = tmp_path / name
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8), str(path))
+    return path
+
+
+def _f(name, shape=None):
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+
+def _weights(prefix, op, i, h, d=1, seed=0):
+    rng = np.random.default_rng(seed)
+    g = GATES[op]
+    return [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32) * 0.5, f"{prefix}{n}")
+            for n, s in (("W", (d, g * h, i)), ("R", (d, g * h, h)), ("B", (d, 2 * g * h)))]
+
+
+def test_graph_with_other_ops_and_initializers_as_inputs(tmp_path):
+    rng = np.random.default_rng(5)
+    proj = numpy_helper.from_array(rng.standard_normal((4, 6)).astype(np.float32), "proj")
+    inits = [proj] + _weights("a", "LSTM", 6, 5, d=2) + _weights("b", "GRU", 10, 3, seed=1)
+    nodes = [
+        helper.make_node("MatMul", ["X", "proj"], ["emb"]),
+        helper.make_node("LSTM", ["emb", "aW", "aR", "aB"], ["y1"], hidden_size=5, direction="bidirectional"),
+        helper.make_node("Transpose", ["y1"], ["y1t"], perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["y1t", "shape"], ["y1r"]),
+        helper.make_node("GRU", ["y1r", "bW", "bR", "bB"], ["y2"], hidden_size=3, linear_before_reset=1),
+        helper.make_node("Squeeze", ["y2", "axes"], ["y2s"]),
+        helper.make_node("Relu", ["y2s"], ["out"]),
+    ]
+    inits += [numpy_helper.from_array(np.array([0, 0, -1], np.int64), "shape"),
+              numpy_helper.from_array(np.array([1], np.int64), "axes")]
+    # old-style file: every initializer is also listed as a graph input
+    inputs = [_f("X", ["T", "N", 4])]
+    inputs += [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in inits]
+    path = _save(tmp_path, nodes, inits, inputs, [_f("out")])
+    loaded = load_onnx(path)
+    assert loaded.selection == ["LSTM_0", "GRU_0"]
+    assert any("MatMul" in n and "Relu" in n for n in loaded.notes)
+    model = convert(path)
+    assert [b.cell for b in model.spec.blocks] == ["lstm", "gru"]
+    assert model.provenance["verification"]["checked"]
+    # the converted stack maps 'emb' to 'y2s': check it against onnxruntime on the whole graph
+    full = onnx.load(str(path))
+    full.graph.output.append(_f("y2s"))
+    x = rng.standard_normal((3, 4, 4)).astype(np.float32)
+    expected = _session(full).run(["y2s"], {"X": x.transpose(1, 0, 2)})[0].transpose(1, 0, 2)
+    emb = x.astype(np.float64) @ numpy_helper.to_array(proj).astype(np.float64)
+    _close(ReferenceEngine(model, dtype=np.float64).forward(emb).output, expected)
+
+    with pytest.raises(ConversionError, match="--cell gru does not match node 'LSTM_0'"):
+        load_onnx(path, cell="gru")
+    assert load_onnx(path, select="GRU_0").selection == ["GRU_0"]
+    with pytest.raises(ConversionError, match="node 'MatMul_0' is a MatMul, not an LSTM"):
+        load_onnx(path, select="MatMul_0")
+
+
+def test_recurrent_node_inside_if_subgraph(tmp_path):
+    inits = _weights("", "GRU", 7, 13, d=2)
+    then_graph = helper.make_graph(
+        [helper.make_node("GRU", ["X", "W", "R", "B"], ["y"], hidden_size=13, direction="bidirectional", name="enc")],
+        "then", [], [_f("y")])
+    else_graph = helper.make_graph([helper.make_node("Identity", ["X"], ["z"])], "else", [], [_f("z")])
+    node = helper.make_node("If", ["cond"], ["out"], then_branch=then_graph, else_branch=else_graph)
+    path = _save(tmp_path, [node], inits, [_f("X", ["T", "N", 7]),
+                                           helper.make_tensor_value_info("cond", TensorProto.BOOL, [])], [_f("out")])
+    x = np.random.default_rng(6).standard_normal((2, 5, 7)).astype(np.float32)
+    y = _session(path).run(None, {"X": x.transpose(1, 0, 2), "cond": np.array(True)})[0]
+    model, out = _ours(path, x)
+    assert model.provenance["selection"] == ["enc"]
+    assert model.spec.blocks[0].variant_names == ["reset_before"]
+    _close(out.output, y.transpose(2, 0, 1, 3).reshape(2, 5, 26))
+
+
+def _external_model(tmp_path):
+    inits = _weights("", "LSTM", 7, 13)
+    node = helper.make_node("LSTM", ["X", "W", "R", "B"], ["Y"], hidden_size=13)
+    model = helper.make_model(helper.make_graph([node], "g", [_f("X", ["T", "N", 7])], [_f("Y")], inits),
+                              opset_imports=[helper.make_opsetid("", 14)], ir_version=8)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    onnx.save(model, str(folder / "m.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="weights.bin", size_threshold=0)
+    return folder / "m.onnx"
+
+
+def test_external_data(tmp_path):
+    path = _external_model(tmp_path)
+    x = np.random.default_rng(7).standard_normal((2, 5, 7)).astype(np.float32)
+    y = _session(path).run(None, {"X": x.transpose(1, 0, 2)})[0]
+    _, out = _ours(path, x)
+    _close(out.output, y.transpose(2, 0, 1, 3).reshape(2, 5, 13))
+
+
+def _relocate(path, location):
+    model = onnx.load(str(path), load_external_data=False)
+    for t in model.graph.initializer:
+        for entry in t.external_data:
+            if entry.key == "location":
+                entry.value = location
+    onnx.save(model, str(path))
+
+
+@pytest.mark.parametrize("how", ["parent", "absolute", "symlink"])
+def test_external_data_outside_the_folder_is_refused(tmp_path, how):
+    path = _external_model(tmp_path)
+    outside = tmp_path / "outside.bin"
+    os.replace(path.parent / "weights.bin", outside)
+    location = {"parent": "../outside.bin", "absolute": str(outside), "symlink": "link.bin"}[how]
+    if how == "symlink":
+        os.symlink(outside, path.parent / "link.bin")
+    _relocate(path, location)
+    with pytest.raises(ConversionError, match="outside the model's folder"):
+        load_onnx(path)
+
+
+def test_truncated_external_data_is_refused(tmp_path):
+    path = _external_model(tmp_path)
+    data = path.parent / "weights.bin"
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(ConversionError, match="truncated"):
+        load_onnx(path)
+
+
+@pytest.mark.parametrize("content", [b"not an onnx file at all \x00\xff" * 3, "truncated"])
+def test_corrupt_file_is_refused(tmp_path, content):
+    path = tmp_path / "m.onnx"
+    if content == "truncated":
+        onnx.save(_node_model("LSTM"), str(path))
+        content = path.read_bytes()[:700]
+    path.write_bytes(content)
+    with pytest.raises(ConversionError, match="truncated or corrupt|holds no ONNX graph"):
+        load_onnx(path)
+
+
+def test_selection_errors(tmp_path):
+    a = _weights("a", "LSTM", 4, 3)
+    b = _weights("b", "GRU", 4, 3, seed=1)
+    nodes = [helper.make_node("LSTM", ["X", "aW", "aR", "aB"], ["y1"], hidden_size=3),
+             helper.make_node("GRU", ["X", "bW", "bR", "bB"], ["y2"], hidden_size=3, name="side")]
+    path = _save(tmp_path, nodes, a + b, [_f("X", ["T", "N", 4])], [_f("y1"), _f("y2")])
+    with pytest.raises(ConversionError, match=r"separate chains \(LSTM_0; side\).*--select"):
+        load_onnx(path)
+    listing = r"names no node; recurrent nodes: LSTM_0 \(LSTM\), side \(GRU\).*<op>_<k>"
+    with pytest.raises(ConversionError, match=listing):
+        load_onnx(path, select=" , ")
+    with pytest.raises(ConversionError, match="no node named 'LSTM_1'"):
+        load_onnx(path, select="LSTM_1")
+    assert load_onnx(path, select="side").layers[0].cell == "gru"
+
+
+def test_bidirectional_output_reshaped_wrongly_is_not_a_stack(tmp_path):
+    a = _weights("a", "LSTM", 4, 3, d=2)
+    b = _weights("b", "LSTM", 6, 3, seed=1)
+    nodes = [helper.make_node("LSTM", ["X", "aW", "aR", "aB"], ["y1"], hidden_size=3, direction="bidirectional"),
+             helper.make_node("Reshape", ["y1", "shape"], ["y1r"]),   # [T, D, B, H] -> [T, D*B?...] without Transpose
+             helper.make_node("LSTM", ["y1r", "bW", "bR", "bB"], ["y2"], hidden_size=3)]
+    shape = numpy_helper.from_array(np.array([0, -1, 6], np.int64), "shape")
+    path = _save(tmp_path, nodes, a + b + [shape], [_f("X", ["T", "N", 4])], [_f("y2")])
+    with pytest.raises(ConversionError, match="reads the output of 'LSTM_0', but not as a plain layer stack"):
+        load_onnx(path)
+
+
+def test_non_constant_weights_are_refused(tmp_path):
+    w, r, b = _weights("", "LSTM", 4, 3)
+    nodes = [helper.make_node("Mul", ["Wraw", "scale"], ["W"]),
+             helper.make_node("LSTM", ["X", "W", "R", "B"], ["y"], hidden_size=3)]
+    path = _save(tmp_path, nodes, [r, b], [_f("X", ["T", "N", 4]), _f("Wraw", [1, 12, 4]), _f("scale", [])], [_f("y")])
+    with pytest.raises(ConversionError, match="input W .* of node 'LSTM_0' is not a constant: it is computed from "
+                                              "graph input 'Wraw'"):
+        load_onnx(path)
+
+
+def test_weights_folded_from_constants(tmp_path):
+    # TorchScript export without constant folding reorders gates in the graph: Slice/Concat of initializers.
+    w, r, b = _weights("", "GRU", 4, 3)
+    half = numpy_helper.from_array(np.asarray(numpy_helper.to_array(b)[:, :9]), "Bhalf")
+    nodes = [helper.make_node("Constant", [], ["Wc"], value=w),
+             helper.make_node("Identity", ["R"], ["Ri"]),
+             helper.make_node("Concat", ["Bhalf", "Bhalf"], ["Bc"], axis=1),
+             helper.make_node("GRU", ["X", "Wc", "Ri", "Bc"], ["y"], hidden_size=3)]
+    path = _save(tmp_path, nodes, [r, half], [_f("X", ["T", "N", 4])], [_f("y")])
+    model = convert(path)
+    assert model.provenance["verification"]["checked"]
+
+
+def test_unknown_activation_is_refused(tmp_path):
+    path = tmp_path / "m.onnx"
+    onnx.save(_node_model("GRU", attrs=dict(activations=["Sigmoid", "Gelu"])), str(path))
+    with pytest.raises(ConversionError, match="activation 'Gelu', which rnnserve does not know"):
+        load_onnx(path)
+
+
+def test_constant_nonzero_initial_state_is_refused(tmp_path):
+    w, r, b = _weights("", "LSTM", 4, 3)
+    zeros = numpy_helper.from_array(np.zeros((1, 2, 3), np.float32), "h0")
+    ones = numpy_helper.from_array(np.ones((1, 2, 3), np.float32), "c0")
+    node = helper.make_node("LSTM", ["X", "W", "R", "B", "", "h0", "c0"], ["y"], hidden_size=3)
+    path = _save(tmp_path, [node], [w, r, b, zeros, ones], [_f("X", ["T", 2, 4])], [_f("y")])
+    with pytest.raises(ConversionError, match="constant nonzero initial_c .*per request \\(h_0/c_0\\)"):
+        load_onnx(path)
+
+
+def test_batch_first_chain_and_runtime_state_inputs(tmp_path):
+    # layout=1 nodes: Y [B, T, D, H] -> Reshape [0, 0, -1] -> next node's X [B, T, D*H]
+    a = _weights("a", "GRU", 4, 3, d=2)
+    b = _weights("b", "GRU", 6, 3, seed=1)
+    nodes = [helper.make_node("GRU", ["X", "aW", "aR", "aB", "", "h0"], ["y1"], hidden_size=3, layout=1,
+                              direction="bidirectional", linear_before_reset=1),
+             helper.make_node("Reshape", ["y1", "shape"], ["y1r"]),
+             helper.make_node("GRU", ["y1r", "bW", "bR", "bB"], ["y2"], hidden_size=3, layout=1, linear_before_reset=1)]
+    shape = numpy_helper.from_array(np.array([0, 0, -1], np.int64), "shape")
+    path = _save(tmp_path, nodes, a + b + [shape], [_f("X", ["N", "T", 4]), _f("h0", ["N", 2, 3])], [_f("y2")])
+    loaded = load_onnx(path)
+    assert loaded.selection == ["GRU_0", "GRU_1"]
+    assert any("initial_h comes from graph input 'h0'" in n for n in loaded.notes)
+    model = convert(path)  # verified through onnxruntime with layout=0 copies of the nodes
+    assert model.provenance["verification"]["checked"]
+    assert [b.bidirectional for b in model.spec.blocks] == [True, False]
+
+
+def test_state_expanded_from_a_nonzero_constant_is_refused(tmp_path):
+    w, r, b = _weights("", "GRU", 4, 3)
+    nodes = [helper.make_node("Shape", ["X"], ["xs"]),
+             helper.make_node("Constant", [], ["half"], value=numpy_helper.from_array(np.full((1, 1, 3), 0.5,
+                                                                                                np.float32))),
+             helper.make_node("Gather", ["xs", "one"], ["batch"]),
+             helper.make_node("Concat", ["d1", "batch", "h3"], ["shape"], axis=0),
+             helper.make_node("Expand", ["half", "shape"], ["h0"]),
+             helper.make_node("GRU", ["X", "W", "R", "B", "", "h0"], ["y"], hidden_size=3)]
+    consts = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("one", [1]), ("d1", [1]), ("h3", [3]))]
+    path = _save(tmp_path, nodes, [w, r, b] + consts, [_f("X", ["T", "N", 4])], [_f("y")])
+    with pytest.raises(ConversionError, match="nonzero initial_h .* built inside the graph"):
+        load_onnx(path)
