@@ -65,10 +65,14 @@ def prepare(spec: BlockSpec, lw: LayerWeights, extras: dict[str, np.ndarray], p:
             if p_i is not None:
                 gates[:, :h] += p_i * cs
                 gates[:, h:2 * h] += p_f * cs
-            if clip is not None:
+            if p_o is None:
+                # o does not wait for the new cell state: one activation call for i, f, o.
+                clipped(gates)
+                f_act(gates[:, :3 * h])
+            else:
                 clipped(gates[:, :2 * h])
                 clipped(gates[:, 3 * h:])
-            f_act(gates[:, :2 * h])
+                f_act(gates[:, :2 * h])
             i_g, f_g = gates[:, :h], gates[:, h:2 * h]
             if input_forget:
                 np.subtract(1.0, i_g, out=f_g)
@@ -79,8 +83,8 @@ def prepare(spec: BlockSpec, lw: LayerWeights, extras: dict[str, np.ndarray], p:
             o_g = gates[:, 2 * h:3 * h]
             if p_o is not None:
                 o_g += p_o * cs
-            clipped(o_g)
-            f_act(o_g)
+                clipped(o_g)
+                f_act(o_g)
             out = cs.copy()
             h_act(out)
             out *= o_g
