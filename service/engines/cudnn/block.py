@@ -1,0 +1,147 @@
+"""One block on the GPU: its descriptors (one per algorithm), weight space and forward call.
+
+:class:`DeviceContext` is what the blocks of one engine share: the cuDNN handle,
+the dedicated CUDA stream and one workspace buffer that only grows.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from ...errors import RNNServeError
+from ...spec import BlockSpec
+from . import library as L
+from .descriptors import DataDescriptor, Handle, Precision, RNNDescriptor, StateDescriptors
+from .weights import upload_weights, weights_match
+
+
+class AlgorithmRejected(RNNServeError):
+    """An algorithm cuDNN accepted but that the engine will not use for this block (message says why)."""
+
+    status = "INTERNAL"
+
+
+class DeviceContext:
+    """Handle, stream and workspace shared by every block of one engine on one GPU."""
+
+    def __init__(self, lib: L.CudnnLibrary, device_id: int) -> None:
+        import cupy as cp
+
+        self.cp = cp
+        self.lib = lib
+        self.device = cp.cuda.Device(device_id)
+        with self.device:
+            self.stream = cp.cuda.Stream(non_blocking=True)
+            self.handle = Handle(lib, self.stream.ptr)
+        self._work = None
+        self._work_bytes = 0
+
+    def workspace(self, nbytes: int) -> int:
+        """Pointer to at least ``nbytes`` of scratch (stream-ordered, so reuse across calls is safe)."""
+        if nbytes > self._work_bytes:
+            size = max(nbytes, 2 * self._work_bytes, 1 << 20)
+            self._work = None
+            self._work = self.cp.empty(size, dtype=self.cp.uint8)
+            self._work_bytes = size
+        return int(self._work.data.ptr) if self._work is not None else 0
+
+    def close(self) -> None:
+        self._work = None
+        self._work_bytes = 0
+        self.handle.close()
+
+
+class BlockRunner:
+    """Runs one block: ``forward`` is one cudnnRNNForward on device pointers."""
+
+    def __init__(self, ctx: DeviceContext, index: int, spec: BlockSpec, flat: np.ndarray, prec: Precision,
+                 force_per_matrix: bool = False) -> None:
+        self.ctx = ctx
+        self.index = index
+        self.spec = spec
+        self.prec = prec
+        lib = ctx.lib
+        self.descs: dict[int, RNNDescriptor] = {}
+        self.dynamic: dict[int, RNNDescriptor] = {}
+        self.rejected: dict[int, str] = {}
+        self.descs[L.ALGO_STANDARD] = RNNDescriptor(ctx.handle, spec, L.ALGO_STANDARD, prec)
+        self.weights = upload_weights(ctx.handle, self.descs[L.ALGO_STANDARD], spec, flat, prec, ctx.stream,
+                                      force_per_matrix)
+        self.x_desc = DataDescriptor(lib, prec.data_type, spec.input_size)
+        self.y_desc = DataDescriptor(lib, prec.data_type, spec.directions * spec.output_size)
+        self.states = StateDescriptors(lib, spec, prec.data_type)
+        self._work_sizes: dict[tuple, int] = {}
+
+    @property
+    def out_features(self) -> int:
+        return self.spec.directions * self.spec.output_size
+
+    def descriptor(self, algo: int, batch: int) -> RNNDescriptor:
+        """The descriptor for ``algo`` (PERSIST_DYNAMIC: built for exactly ``batch``), made on first use."""
+        if algo == L.ALGO_PERSIST_DYNAMIC:
+            desc = self.dynamic.get(batch)
+            if desc is None:
+                desc = self._new(algo)
+                try:
+                    desc.build_dynamic(batch)
+                except Exception:
+                    desc.close()
+                    raise
+                self.dynamic[batch] = desc
+            return desc
+        desc = self.descs.get(algo)
+        if desc is None:
+            desc = self.descs[algo] = self._new(algo)
+        return desc
+
+    def _new(self, algo: int) -> RNNDescriptor:
+        if algo in self.rejected:
+            raise AlgorithmRejected(self.rejected[algo])
+        desc = RNNDescriptor(self.ctx.handle, self.spec, algo, self.prec)
+        if not weights_match(self.ctx.handle, desc, self.spec, self.weights, self.prec):
+            desc.close()
+            self.rejected[algo] = f"{L.ALGO_NAMES[algo]} lays out weights differently from standard"
+            raise AlgorithmRejected(self.rejected[algo])
+        return desc
+
+    def forward(self, algo: int, batch: int, steps: int, lens_key: tuple, lens_host: np.ndarray, lens_dev: int,
+                x: int, y: int, hx: int = 0, hy: int = 0, cx: int = 0, cy: int = 0, seq_major: bool = False) -> None:
+        """Enqueue the block on the engine stream; arguments from ``lens_dev`` on are device pointers.
+
+        ``lens_key`` identifies ``lens_host``; it ends in None when every length equals ``steps``.
+        """
+        lib = self.ctx.lib
+        handle = self.ctx.handle.ptr
+        desc = self.descriptor(algo, batch)
+        key = (seq_major, lens_key)
+        self.x_desc.set(key, batch, steps, lens_host, seq_major)
+        self.y_desc.set(key, batch, steps, lens_host, seq_major)
+        hdesc, cdesc = self.states.get(batch)
+        # The workspace cuDNN asks for depends on the lengths, not only on (batch, steps): sizes are
+        # cached for equal-length batches and asked for on every ragged call.
+        wkey = (desc.ptr, key) if lens_key[-1] is None else None
+        work = self._work_sizes.get(wkey) if wkey is not None else None
+        if work is None:
+            ws, rs = ctypes.c_size_t(), ctypes.c_size_t()
+            lib.cudnnGetRNNTempSpaceSizes(handle, desc.ptr, L.FWD_MODE_INFERENCE, self.x_desc.ptr,
+                                          ctypes.byref(ws), ctypes.byref(rs))
+            work = int(ws.value)
+            if wkey is not None:
+                if len(self._work_sizes) > 4096:
+                    self._work_sizes.clear()
+                self._work_sizes[wkey] = work
+        wptr = self.ctx.workspace(work)
+        lib.cudnnRNNForward(handle, desc.ptr, L.FWD_MODE_INFERENCE, lens_dev, self.x_desc.ptr, x, self.y_desc.ptr, y,
+                            hdesc.ptr, hx or None, hy or None, cdesc.ptr, cx or None, cy or None,
+                            self.weights.nbytes, self.weights.ptr, work, wptr or None, 0, None)
+
+    def close(self) -> None:
+        for desc in list(self.descs.values()) + list(self.dynamic.values()):
+            desc.close()
+        self.descs.clear()
+        self.dynamic.clear()
+        self.x_desc.close()
+        self.y_desc.close()
+        self.states.close()
+        self.weights = None

@@ -1,0 +1,393 @@
+"""CudnnEngine: cuDNN 9 RNN inference (cudnnRNNForward, FWD_MODE_INFERENCE) through ctypes and CuPy.
+
+IO is padded (PADDED_IO_ENABLED) with per-sequence lengths (a host int32 array
+for the data descriptors, a device copy for ``devSeqLengths``) and zeros written
+past each length. The engine contract's [B, T, F] arrays go to cuDNN as they are
+(CUDNN_RNN_DATA_LAYOUT_BATCH_MAJOR_UNPACKED) or, where the autotuner measured it
+faster, transposed once to [T, B, F] (SEQ_MAJOR_UNPACKED); the output of that path
+is a transposed view of a [T, B, F] buffer, as PyTorch's batch_first output is. States go
+from the contract's [B, L*D, Ho] to cuDNN's [L*D, B, Ho] and back. Blocks run one
+after another on the device; only the caller's inputs and the final outputs cross
+the bus.
+
+Output dtypes: float32, except that an engine computing in float16 returns
+float16 when ``x`` is float16 (no conversion at all on that path). bfloat16
+results are returned as float32, since NumPy and CuPy have no bfloat16 dtype.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from ...errors import EngineUnavailable, InvalidInput
+from ...repository import PackedModel
+from ..base import Engine, EngineOutput, check_forward_args
+from . import library as L
+from .autotune import AlgoTable, BucketChoice, Group, Trial, batch_buckets, choose, plan
+from .block import AlgorithmRejected
+
+OUTPUT_DEVICES = ("host", "device")
+LAYOUTS = ("batch_major", "seq_major")
+
+
+def _import_cupy():
+    try:
+        import cupy as cp
+    except Exception as exc:  # ImportError, or a CUDA library that fails to load
+        raise EngineUnavailable(
+            f"the cuDNN engine needs CuPy (pip install 'rnnserve[gpu]'), which could not be imported: {exc}"
+        ) from exc
+    try:
+        count = cp.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        raise EngineUnavailable(f"the cuDNN engine found no usable CUDA GPU: {exc}") from exc
+    if count < 1:
+        raise EngineUnavailable("the cuDNN engine found no CUDA GPU on this machine")
+    return cp, count
+
+
+class CudnnEngine(Engine):
+    """Runs a PackedModel with cuDNN; options override the model's config.
+
+    ``algorithm`` forces one algorithm name (``standard``, ``persist_static``,
+    ``persist_dynamic``, ``persist_static_small_h``) wherever cuDNN accepts it, for
+    tests and experiments; ``buckets`` replaces the power-of-two batch buckets;
+    ``tune_steps`` is the sequence length timed at load.
+    """
+
+    name = "cudnn"
+
+    def __init__(self, model: PackedModel, precision: str | None = None, allow_tf32: bool | None = None,
+                 max_batch_size: int | None = None, autotune: bool = True, device_id: int = 0,
+                 force_per_matrix_upload: bool = False, algorithm: str | None = None,
+                 buckets: tuple[int, ...] | None = None, tune_steps: int = 50, layout: str | None = None) -> None:
+        started = time.perf_counter()
+        self.model = model
+        self.spec = model.spec
+        for k, blk in enumerate(self.spec.blocks):
+            if not blk.is_cudnn:
+                names = ", ".join(f"'{n}'" for n in blk.variant_names)
+                raise EngineUnavailable(
+                    f"block {k} uses variant {names} which cuDNN cannot run; serve it with device='cpu' or 'auto'"
+                )
+        cfg = model.config
+        self.precision = precision or cfg.precision
+        self.allow_tf32 = cfg.allow_tf32 if allow_tf32 is None else bool(allow_tf32)
+        self.max_batch_size = int(max_batch_size or cfg.max_batch_size)
+        if algorithm is not None and algorithm not in L.ALGO_BY_NAME:
+            raise InvalidInput(f"algorithm '{algorithm}' is not known; use one of {', '.join(L.ALGO_BY_NAME)}")
+        self._forced = None if algorithm is None else L.ALGO_BY_NAME[algorithm]
+        if layout not in (None,) + LAYOUTS:
+            raise InvalidInput(f"layout '{layout}' is not known; use one of {', '.join(LAYOUTS)}")
+        self._layout = layout
+        if not 0 <= int(device_id):
+            raise InvalidInput(f"device_id must be >= 0, got {device_id}")
+
+        from .descriptors import make_precision
+
+        prec = make_precision(self.precision, self.allow_tf32)
+        cp, count = _import_cupy()
+        if device_id >= count:
+            raise EngineUnavailable(f"CUDA device {device_id} does not exist; this machine has {count}")
+        self._cp = cp
+        self._lib = L.get_library()
+
+        from .block import BlockRunner, DeviceContext
+        from .transfer import Converter, HostStaging
+
+        self._h_rows = self.spec.state_layers if self.spec.state_size else 0
+        self._c_rows = self.spec.cell_state_layers if self.spec.cell_state_size else 0
+        self._uniform_lengths: dict[tuple[int, int], tuple[tuple, np.ndarray, Any]] = {}
+        self._plans: dict[tuple[int, int], list[Group]] = {}
+        self._ctx = DeviceContext(self._lib, int(device_id))
+        self.device_id = int(device_id)
+        self._lock = threading.Lock()
+        self._runners: list[BlockRunner] = []
+        try:
+            with self._ctx.device, self._ctx.stream:
+                self._conv = Converter(cp, self.precision)
+                self._staging = HostStaging(cp)
+                self._prec = self._build_runners(BlockRunner, prec, force_per_matrix_upload)
+                steps = max(1, int(tune_steps))
+                self._buckets = batch_buckets(self.max_batch_size, buckets)
+                self._table = self._tune(autotune, steps)
+                self._tune_layouts(autotune, steps)
+        except L.CudnnError as exc:
+            self.close()
+            raise EngineUnavailable(f"cuDNN cannot run model '{model.name or '?'}': {exc}") from exc
+        except BaseException:
+            self.close()
+            raise
+        props = cp.cuda.runtime.getDeviceProperties(self.device_id)
+        name = props.get("name", b"?")
+        self.gpu_name = name.decode() if isinstance(name, bytes) else str(name)
+        self.load_ms = (time.perf_counter() - started) * 1000.0
+
+    # -- load -------------------------------------------------------------------------------------
+
+    def _build_runners(self, runner_cls, prec, force_per_matrix: bool):
+        """Create every block's descriptors and weights; returns the precision cuDNN accepted.
+
+        fp16/bf16 ask for tensor-op math first and fall back to cuDNN's default math type.
+        """
+        options = [prec]
+        if prec.name != "float32":
+            options.append(replace(prec, math_type=L.MATH_DEFAULT))
+        for i, option in enumerate(options):
+            try:
+                for k, (blk, flat) in enumerate(zip(self.spec.blocks, self.model.weights)):
+                    self._runners.append(runner_cls(self._ctx, k, blk, flat, option, force_per_matrix))
+                return option
+            except L.CudnnError:
+                for runner in self._runners:
+                    runner.close()
+                self._runners = []
+                if i == len(options) - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _tune(self, autotune: bool, steps: int) -> AlgoTable:
+        from .tuning import tune_block
+
+        if not autotune and self._forced in (None, L.ALGO_STANDARD):
+            choices = [[BucketChoice(b, L.ALGO_STANDARD, None, {L.ALGO_STANDARD: Trial(L.ALGO_STANDARD)})
+                        for b in self._buckets] for _ in self._runners]
+            return AlgoTable(self._buckets, choices, steps, self._forced)
+        if self._forced is not None:
+            algos = (L.ALGO_STANDARD,) if self._forced == L.ALGO_STANDARD else (L.ALGO_STANDARD, self._forced)
+        else:
+            algos = (L.ALGO_STANDARD, L.ALGO_PERSIST_STATIC, L.ALGO_PERSIST_STATIC_SMALL_H, L.ALGO_PERSIST_DYNAMIC)
+        choices = []
+        for runner in self._runners:
+            trials = tune_block(runner, self._conv, self._buckets, steps, algos, self._tolerance(),
+                                give_up=self._forced is None)
+            per = [choose(b, t, self._forced) for b, t in zip(self._buckets, trials)]
+            if self._forced not in (None, L.ALGO_STANDARD) and all(c.algo != self._forced for c in per):
+                errors = {c.trials[self._forced].error for c in per if self._forced in c.trials}
+                raise EngineUnavailable(
+                    f"algorithm '{L.ALGO_NAMES[self._forced]}' cannot run block {runner.index} "
+                    f"({runner.spec.cell}, H={runner.spec.hidden_size}, proj={runner.spec.proj_size}) at any batch "
+                    f"size: {'; '.join(sorted(e for e in errors if e))}"
+                )
+            choices.append(per)
+        return AlgoTable(self._buckets, choices, steps, self._forced)
+
+    def _tune_layouts(self, autotune: bool, steps: int) -> None:
+        from .tuning import tune_layouts
+
+        if self._layout is not None or not autotune:
+            forced = self._layout == "seq_major"
+            self._table.layouts = {b: (forced, {"forced": self._layout} if self._layout else {})
+                                   for b in self._buckets}
+            return
+        tune_layouts(self._table, self._run_blocks, self._uniform, self._conv, self.spec.input_size, steps,
+                     self._ctx.stream)
+
+    def _tolerance(self) -> float:
+        if self.precision == "float32":
+            return 1e-2 if self.allow_tf32 else 1e-3
+        return 5e-2 if self.precision == "float16" else 1.5e-1
+
+    # -- contract ---------------------------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        """Engine facts for `rnnserve inspect`, including the algorithm per block and batch bucket."""
+        return {
+            "engine": self.name,
+            "device": f"cuda:{self.device_id}",
+            "gpu": self.gpu_name,
+            "cudnn_version": self._lib.version,
+            "cudnn_library": self._lib.path,
+            "precision": self.precision,
+            "math_type": self._prec.math_name,
+            "allow_tf32": self.allow_tf32,
+            "max_batch_size": self.max_batch_size,
+            "buckets": list(self._buckets),
+            "forced_algorithm": None if self._forced is None else L.ALGO_NAMES[self._forced],
+            "weights_upload": [
+                {"block": r.index, "bytes": r.weights.nbytes,
+                 "mode": "single copy" if r.weights.single_copy else "per matrix",
+                 "layout_mismatches": r.weights.mismatches[:5]}
+                for r in self._runners
+            ],
+            "algorithms": self._table.describe(),
+            "layouts": self._table.describe_layouts(),
+            "load_ms": round(self.load_ms, 1),
+        }
+
+    def synchronize(self) -> None:
+        """Wait for everything enqueued on the engine's stream (for timing device outputs)."""
+        self._ctx.stream.synchronize()
+
+    def close(self) -> None:
+        """Free descriptors, the handle and device buffers."""
+        for runner in getattr(self, "_runners", []):
+            runner.close()
+        self._runners = []
+        ctx = getattr(self, "_ctx", None)
+        if ctx is not None:
+            ctx.stream.synchronize()
+            ctx.close()
+            self._ctx = None
+
+    def forward(self, x: Any, lengths: Any = None, h0: Any = None, c0: Any = None,
+                output_device: str = "host") -> EngineOutput:
+        """Run the model; shapes as in :mod:`service.engines.base`.
+
+        ``x``/``h0``/``c0`` may be NumPy (copied in through pinned memory) or CuPy
+        (used in place when already C-contiguous in the engine's dtype).
+        ``output_device="device"`` returns CuPy arrays without waiting for the GPU.
+        """
+        if output_device not in OUTPUT_DEVICES:
+            raise InvalidInput(f"output_device must be 'host' or 'device', got '{output_device}'")
+        if self._ctx is None:
+            raise EngineUnavailable("this cuDNN engine was closed")
+        cp = self._cp
+        on_device = isinstance(x, cp.ndarray)
+        if not on_device:
+            x = np.asarray(x)
+        b, t, lens = check_forward_args(self.spec, x, lengths, h0, c0, cp if on_device else np)
+        out_dtype = np.dtype(np.float16 if self.precision == "float16" and x.dtype == np.float16 else np.float32)
+        with self._lock, self._ctx.device, self._ctx.stream:
+            x_d, h0_d, c0_d = self._inputs(x, h0, c0)
+            key = (b, t)
+            groups = self._plans.get(key) if lengths is None else None
+            if groups is None:
+                groups = plan(self._table, b, t, lens)
+                if lengths is None and len(self._plans) < 1024:
+                    self._plans[key] = groups
+            if len(groups) == 1 and groups[0].rows is None:
+                g = groups[0]
+                if g.uniform:
+                    lens_key, lens_host, lens_dev = self._uniform(b, t)
+                else:
+                    lens_host = lens.astype(np.int32)
+                    lens_key, lens_dev = (b, t, lens_host.tobytes()), cp.asarray(lens_host)
+                y, hy, cy = self._run_blocks(x_d, b, t, lens_key, lens_host, lens_dev, h0_d, c0_d, g.algos,
+                                             g.seq_major)
+            else:
+                y, hy, cy = self._run_groups(groups, x_d, b, t, h0_d, c0_d)
+            return self._outputs(y, hy, cy, out_dtype, output_device)
+
+    # -- forward pieces ---------------------------------------------------------------------------
+
+    def _inputs(self, x, h0, c0):
+        cp, conv = self._cp, self._conv
+        if isinstance(x, cp.ndarray):
+            states = [None if s is None else conv.to_store(cp.asarray(s).transpose(1, 0, 2)) for s in (h0, c0)]
+            return conv.to_store(x), states[0], states[1]
+        staged = [(x, conv.staging_dtype(x.dtype))]
+        for s in (h0, c0):
+            if s is not None:
+                s = s.get() if hasattr(s, "get") else np.asarray(s)
+                staged.append((s.transpose(1, 0, 2), conv.staging_dtype(s.dtype)))
+        dev = self._staging.upload(staged, self._ctx.stream)
+        dev = [conv.to_store(a) for a in dev]
+        x_d = dev.pop(0)
+        h0_d = dev.pop(0) if h0 is not None else None
+        c0_d = dev.pop(0) if c0 is not None else None
+        return x_d, h0_d, c0_d
+
+    def _uniform(self, n: int, t: int):
+        hit = self._uniform_lengths.get((n, t))
+        if hit is None:
+            host = np.full(n, t, dtype=np.int32)
+            if len(self._uniform_lengths) > 1024:
+                self._uniform_lengths.clear()
+            hit = self._uniform_lengths[(n, t)] = ((n, t, None), host, self._cp.asarray(host))
+        return hit
+
+    def _run_blocks(self, x, n, t, lens_key, lens_host, lens_dev, h0, c0, algos, seq_major=False):
+        """All blocks on one batch; returns (y [n,t,F], hy [R,n,Ho] | None, cy [Rc,n,H] | None) in storage dtype.
+
+        With ``seq_major`` the blocks run on [t, n, F] buffers and y is a transposed view of one.
+        """
+        cp, store = self._cp, self._prec.store
+        item = store.itemsize
+        hy = cp.empty((self._h_rows, n, self.spec.state_size), store) if self._h_rows else None
+        cy = cp.empty((self._c_rows, n, self.spec.cell_state_size), store) if self._c_rows else None
+        row = crow = 0
+        inp = cp.ascontiguousarray(x.transpose(1, 0, 2)) if seq_major else x
+        lens_ptr = lens_dev.data.ptr
+        for runner, algo in zip(self._runners, algos):
+            spec = runner.spec
+            rows = spec.pseudo_layers
+            y = cp.empty((t, n, runner.out_features) if seq_major else (n, t, runner.out_features), store)
+            h_off = row * n * spec.output_size * item
+            hx_p = h0.data.ptr + h_off if h0 is not None else 0
+            hy_p = hy.data.ptr + h_off if hy is not None else 0
+            cx_p = cy_p = 0
+            if spec.cell == "lstm":
+                c_off = crow * n * spec.hidden_size * item
+                cx_p = c0.data.ptr + c_off if c0 is not None else 0
+                cy_p = cy.data.ptr + c_off if cy is not None else 0
+                crow += rows
+            try:
+                runner.forward(algo, n, t, lens_key, lens_host, lens_ptr, inp.data.ptr, y.data.ptr,
+                               hx_p, hy_p, cx_p, cy_p, seq_major)
+            except (L.CudnnError, AlgorithmRejected):
+                if algo == L.ALGO_STANDARD:
+                    raise
+                # A persistent kernel refused a shape the autotuner did not time (e.g. an odd batch
+                # inside a bucket): run STANDARD instead, which accepts every shape.
+                runner.forward(L.ALGO_STANDARD, n, t, lens_key, lens_host, lens_ptr, inp.data.ptr, y.data.ptr,
+                               hx_p, hy_p, cx_p, cy_p, seq_major)
+            row += rows
+            inp = y
+        return (inp.transpose(1, 0, 2) if seq_major else inp), hy, cy
+
+    def _run_groups(self, groups: list[Group], x, b, t, h0, c0):
+        """Equal-length groups (see autotune.plan), each gathered, run and scattered back."""
+        cp, store = self._cp, self._prec.store
+        y = cp.zeros((b, t, self.spec.output_size), store)
+        hy = cp.empty((self._h_rows, b, self.spec.state_size), store) if self._h_rows else None
+        cy = cp.empty((self._c_rows, b, self.spec.cell_state_size), store) if self._c_rows else None
+        for g in groups:
+            rows = g.rows if isinstance(g.rows, slice) else cp.asarray(g.rows)
+            if isinstance(rows, slice) and g.steps == t:
+                xg = x[rows]
+            else:
+                xg = cp.ascontiguousarray(x[rows, :g.steps])
+            h0g = None if h0 is None else cp.ascontiguousarray(h0[:, rows])
+            c0g = None if c0 is None else cp.ascontiguousarray(c0[:, rows])
+            lens_key, lens_host, lens_dev = self._uniform(g.n, g.steps)
+            yg, hyg, cyg = self._run_blocks(xg, g.n, g.steps, lens_key, lens_host, lens_dev, h0g, c0g, g.algos,
+                                            g.seq_major)
+            if g.steps == t:
+                y[rows] = yg
+            else:
+                y[rows, :g.steps] = yg
+            if hy is not None:
+                hy[:, rows] = hyg
+            if cy is not None:
+                cy[:, rows] = cyg
+        return y, hy, cy
+
+    def _outputs(self, y, hy, cy, out_dtype, output_device) -> EngineOutput:
+        cp, conv = self._cp, self._conv
+        y = conv.from_store(y, out_dtype)
+        hy = None if hy is None else conv.from_store(hy, out_dtype)
+        cy = None if cy is None else conv.from_store(cy, out_dtype)
+        if output_device == "device":
+            h_n = None if hy is None else cp.ascontiguousarray(hy.transpose(1, 0, 2))
+            c_n = None if cy is None else cp.ascontiguousarray(cy.transpose(1, 0, 2))
+            return EngineOutput(y, h_n, c_n)
+        from .transfer import download
+
+        # A sequence-major result is a transposed view of a contiguous [T, B, F] buffer: copy that
+        # buffer and hand back the same view of it on the host.
+        transposed = not y.flags.c_contiguous and y.transpose(1, 0, 2).flags.c_contiguous
+        if not transposed and not y.flags.c_contiguous:
+            y = cp.ascontiguousarray(y)
+        arrays = [a for a in (y.transpose(1, 0, 2) if transposed else y, hy, cy) if a is not None]
+        host = download(cp, arrays, self._ctx.stream)
+        out = host.pop(0)
+        if transposed:
+            out = out.transpose(1, 0, 2)
+        h_n = None if hy is None else np.ascontiguousarray(host.pop(0).transpose(1, 0, 2))
+        c_n = None if cy is None else np.ascontiguousarray(host.pop(0).transpose(1, 0, 2))
+        return EngineOutput(out, h_n, c_n)

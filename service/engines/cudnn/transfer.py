@@ -1,0 +1,127 @@
+"""Moving arrays between host and device, and between the caller's dtypes and the engine's.
+
+Host inputs go through one pinned staging buffer that is reused across calls
+(an event guards it), packed back to back so one host-to-device copy moves x, h0
+and c0 together; large contiguous inputs are copied directly (see HostStaging.upload). Host outputs are copied into pinned memory from CuPy's pinned
+pool and handed to the caller as NumPy arrays over that memory: one copy, no
+second pass on the host.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_ALIGN = 256
+DIRECT_BYTES = 1 << 20
+_H2D, _D2H = 1, 2
+
+
+def _round(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class Converter:
+    """Device-side dtype conversions between float arrays and the engine's storage dtype."""
+
+    def __init__(self, cp, precision: str) -> None:
+        self.cp = cp
+        self.precision = precision
+        self.store = np.dtype({"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[precision])
+        self._to_bf16 = self._from_bf16 = None
+        if precision == "bfloat16":
+            self._to_bf16 = cp.ElementwiseKernel(
+                "float32 x", "uint16 y",
+                """
+                unsigned int u = __float_as_uint(x);
+                if ((u & 0x7fffffffu) > 0x7f800000u) { y = (unsigned short)((u >> 16) | 0x40u); }
+                else { y = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); }
+                """,
+                "rnnserve_f32_to_bf16")
+            self._from_bf16 = cp.ElementwiseKernel(
+                "uint16 x", "float32 y", "y = __uint_as_float(((unsigned int)x) << 16);", "rnnserve_bf16_to_f32")
+
+    def to_store(self, a):
+        """A C-contiguous device array in the storage dtype (``a`` itself when it already is one)."""
+        cp = self.cp
+        if self._to_bf16 is not None:
+            if a.dtype != np.float32:
+                a = a.astype(np.float32)
+            return self._to_bf16(cp.ascontiguousarray(a))
+        if a.dtype == self.store and a.flags.c_contiguous:
+            return a
+        return cp.ascontiguousarray(a, dtype=self.store)
+
+    def from_store(self, a, dtype):
+        """``a`` (storage dtype) as ``dtype`` (float32 or float16) on the device."""
+        if self._from_bf16 is not None:
+            return self._from_bf16(a)
+        return a if a.dtype == dtype else a.astype(dtype)
+
+    def staging_dtype(self, dtype: np.dtype) -> np.dtype:
+        """The dtype a host array is staged in: the storage dtype, or float32 for bfloat16."""
+        return np.dtype(np.float32) if self._to_bf16 is not None else self.store
+
+
+class HostStaging:
+    """A reusable pinned buffer for host-to-device copies of one engine."""
+
+    def __init__(self, cp) -> None:
+        self.cp = cp
+        self._mem = None
+        self._nbytes = 0
+        self._event = None
+
+    def upload(self, arrays: list[tuple[np.ndarray, np.dtype]], stream) -> list:
+        """Copy each (array, dtype) to the device as a C-contiguous array of that dtype.
+
+        Small arrays are packed into the pinned buffer and moved by one DMA. A large array that
+        is already contiguous in the right dtype is copied straight from its pageable memory:
+        the driver pipelines that copy, which beats a host-side copy into pinned memory first.
+        """
+        cp = self.cp
+        direct = {i: cp.empty(arr.shape, dtype=dtype) for i, (arr, dtype) in enumerate(arrays)
+                  if arr.nbytes >= DIRECT_BYTES and arr.dtype == dtype and arr.flags.c_contiguous}
+        for i, dev in direct.items():
+            cp.cuda.runtime.memcpyAsync(dev.data.ptr, arrays[i][0].ctypes.data, dev.nbytes, _H2D, stream.ptr)
+        if len(direct) == len(arrays):
+            return [direct[i] for i in range(len(arrays))]
+        staged = [(i, arr, dtype) for i, (arr, dtype) in enumerate(arrays) if i not in direct]
+        views = self._stage([(arr, dtype) for _, arr, dtype in staged], stream)
+        out = dict(direct)
+        out.update({i: v for (i, _, _), v in zip(staged, views)})
+        return [out[i] for i in range(len(arrays))]
+
+    def _stage(self, arrays: list[tuple[np.ndarray, np.dtype]], stream) -> list:
+        cp = self.cp
+        offsets, total = [], 0
+        for arr, dtype in arrays:
+            offsets.append(total)
+            total += _round(arr.size * np.dtype(dtype).itemsize)
+        total = max(total, _ALIGN)
+        if self._event is not None:
+            self._event.synchronize()  # the previous copy out of this buffer has finished
+        if total > self._nbytes:
+            self._nbytes = max(total, 2 * self._nbytes)
+            self._mem = cp.cuda.alloc_pinned_memory(self._nbytes)
+        for (arr, dtype), off in zip(arrays, offsets):
+            view = np.frombuffer(self._mem, dtype=dtype, count=arr.size, offset=off).reshape(arr.shape)
+            np.copyto(view, arr, casting="unsafe")
+        dev = cp.empty(total, dtype=cp.uint8)
+        cp.cuda.runtime.memcpyAsync(dev.data.ptr, self._mem.ptr, total, _H2D, stream.ptr)
+        if self._event is None:
+            self._event = cp.cuda.Event(block=False, disable_timing=True)
+        self._event.record(stream)
+        return [cp.ndarray(arr.shape, dtype=dtype, memptr=dev.data + off) for (arr, dtype), off in zip(arrays, offsets)]
+
+
+def download(cp, arrays: list, stream) -> list[np.ndarray]:
+    """Copy device arrays (C-contiguous) into pinned host memory and wait; returns NumPy arrays."""
+    out = []
+    for a in arrays:
+        nbytes = a.nbytes
+        mem = cp.cuda.alloc_pinned_memory(max(nbytes, 1))
+        host = np.frombuffer(mem, dtype=a.dtype, count=a.size).reshape(a.shape)
+        if nbytes:
+            cp.cuda.runtime.memcpyAsync(host.ctypes.data, a.data.ptr, nbytes, _D2H, stream.ptr)
+        out.append(host)
+    stream.synchronize()
+    return out

@@ -1,0 +1,110 @@
+"""Timing each cuDNN RNN algorithm for one block at each batch bucket (see autotune for the policy)."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from . import library as L
+from .autotune import Trial, time_call
+from .block import AlgorithmRejected, BlockRunner
+from .transfer import Converter
+
+# Persistent kernels lose ground as the batch grows; once one has lost to STANDARD at this many
+# consecutive buckets it is not timed at larger ones (keeps load time down, PERSIST_DYNAMIC compiles).
+GIVE_UP_AFTER = 2
+
+
+def _as_float32(conv: Converter, a):
+    return conv.from_store(a, np.float32)
+
+
+def tune_block(runner: BlockRunner, conv: Converter, buckets: tuple[int, ...], steps: int,
+               algos: tuple[int, ...], tolerance: float, give_up: bool = True) -> list[dict[int, Trial]]:
+    """Per bucket, a Trial for each of ``algos`` (STANDARD first: the others are checked against it).
+
+    With ``give_up`` an algorithm that lost to STANDARD at GIVE_UP_AFTER consecutive buckets is
+    not timed at larger ones; a forced algorithm is timed everywhere.
+    """
+    import cupy as cp
+
+    ctx = runner.ctx
+    spec = runner.spec
+    rng = cp.random.RandomState(1234)
+    losses = {a: 0 for a in algos}
+    out: list[dict[int, Trial]] = []
+    for bucket in buckets:
+        x = conv.to_store(rng.uniform(-1.0, 1.0, (bucket, steps, spec.input_size), dtype=np.float32))
+        h0 = conv.to_store(rng.uniform(-0.5, 0.5, (spec.pseudo_layers, bucket, spec.output_size), dtype=np.float32))
+        lens_host = np.full(bucket, steps, dtype=np.int32)
+        lens_dev = cp.asarray(lens_host)
+        key = (bucket, steps, None)
+        reference = None
+        trials: dict[int, Trial] = {}
+        for algo in algos:
+            trial = trials[algo] = Trial(algo)
+            if give_up and algo != L.ALGO_STANDARD and losses[algo] >= GIVE_UP_AFTER:
+                trial.error = f"not timed: slower than standard at {GIVE_UP_AFTER} smaller buckets"
+                continue
+            y = cp.empty((bucket, steps, runner.out_features), dtype=conv.store)
+            hy = cp.empty_like(h0)
+            try:
+                if algo == L.ALGO_PERSIST_DYNAMIC:
+                    t0 = time.perf_counter()
+                    runner.descriptor(algo, bucket)
+                    trial.build_ms = (time.perf_counter() - t0) * 1000.0
+
+                def run(algo=algo, y=y, hy=hy):
+                    runner.forward(algo, bucket, steps, key, lens_host, lens_dev.data.ptr, x.data.ptr, y.data.ptr,
+                                   h0.data.ptr, hy.data.ptr)
+
+                trial.time_ms = time_call(run, ctx.stream)
+            except (L.CudnnError, AlgorithmRejected) as exc:
+                trial.error = str(exc)[:400]
+                trial.time_ms = None
+                if algo == L.ALGO_STANDARD:
+                    raise
+                losses[algo] += 1
+                continue
+            got = cp.concatenate([_as_float32(conv, y).ravel(), _as_float32(conv, hy).ravel()])
+            if reference is None:
+                reference = got
+            else:
+                scale = max(1.0, float(cp.abs(reference).max()))
+                diff = float(cp.abs(got - reference).max())
+                if not np.isfinite(diff) or diff > tolerance * scale:
+                    trial.error = f"output differs from standard by {diff:.3g} (tolerance {tolerance * scale:.3g})"
+                    trial.time_ms = None
+                    losses[algo] += 1
+                    continue
+            if algo != L.ALGO_STANDARD:
+                std = trials[L.ALGO_STANDARD].time_ms
+                losses[algo] = losses[algo] + 1 if std is not None and trial.time_ms >= std else 0
+        out.append(trials)
+    return out
+
+
+def tune_layouts(table, run_blocks, uniform, conv: Converter, input_size: int, steps: int, stream) -> None:
+    """Per bucket, time the whole model with batch-major IO and with sequence-major IO (our input
+    transpose included) on the bucket's algorithms, and record the faster in ``table.layouts``.
+
+    cuDNN takes both layouts; which is faster depends on the shape (sequence-major is what
+    PyTorch uses). A layout whose call fails is not used.
+    """
+    import cupy as cp
+
+    rng = cp.random.RandomState(4321)
+    for bucket in table.buckets:
+        x = conv.to_store(rng.uniform(-1.0, 1.0, (bucket, steps, input_size), dtype=np.float32))
+        lens = uniform(bucket, steps)
+        algos = table.algos_for(bucket)
+        times: dict[str, float | str] = {}
+        for seq_major in (False, True):
+            name = "seq_major" if seq_major else "batch_major"
+            try:
+                ms = time_call(lambda: run_blocks(x, bucket, steps, *lens, None, None, algos, seq_major), stream)
+                times[f"{name}_ms"] = round(ms, 4)
+            except (L.CudnnError, AlgorithmRejected) as exc:
+                times[f"{name}_error"] = str(exc)[:200]
+        sm, bm = times.get("seq_major_ms"), times.get("batch_major_ms")
+        table.layouts[bucket] = (sm is not None and (bm is None or sm < bm), times)
