@@ -1,0 +1,181 @@
+"""Composition root of `rnnserve serve`: settings -> metrics -> registry -> dataplane -> REST + gRPC.
+
+One process, one asyncio event loop: uvicorn serves the FastAPI app and grpc.aio
+serves gRPC side by side. The servers bind first and print one parseable line::
+
+    rnnserve: HTTP on 127.0.0.1:8000, gRPC on 127.0.0.1:8001
+
+(``gRPC off (...)`` when the gRPC transport is unavailable or ``--grpc-port -1``);
+then models load in the background: the server is live at once and ready when
+every loadable model is. SIGTERM or SIGINT starts a drain: readiness turns false,
+both transports stop accepting and finish in-flight requests (up to
+``--drain-timeout-s``), the schedulers run what still waits, and the process exits 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import signal
+import socket
+import sys
+from typing import Any, Callable, Iterator
+
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from .dataplane import DataPlane
+from .errors import RNNServeError
+from .metrics import ServerMetrics
+from .registry import DEFAULTED_FIELDS, ModelRegistry
+from .settings import ServeSettings
+from .transports.rest import create_rest_app
+
+log = logging.getLogger("rnnserve.app")
+
+
+def build_dataplane(settings: ServeSettings) -> DataPlane:
+    """Metrics registry, model registry and dataplane for ``settings`` (nothing is loaded yet)."""
+    metrics = ServerMetrics(CollectorRegistry())
+    label, read = _device_memory_reader(settings.device)
+    metrics.watch_device_memory(label, read)
+    defaults = {k: getattr(settings, k) for k in DEFAULTED_FIELDS}
+    registry = ModelRegistry(settings.repository, settings.device, defaults, metrics)
+    return DataPlane(registry, metrics)
+
+
+def _device_memory_reader(device: str) -> tuple[str, Callable[[], float]]:
+    if device != "cpu":
+        try:
+            import cupy  # noqa: F401 - only present with the gpu extra
+
+            return "cuda:0", lambda: float(cupy.get_default_memory_pool().used_bytes())
+        except Exception:  # noqa: BLE001 - no CUDA stack: report the CPU
+            pass
+    return "cpu", lambda: 0.0
+
+
+class _UvicornServer(uvicorn.Server):
+    """uvicorn.Server without its own signal handling: :func:`serve` drains both transports itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP; with proto 0
+    # every response pays Nagle + delayed ACK (~40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise RNNServeError(f"cannot listen on {host}:{port}: {exc.strerror}; choose another port") from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+def _free_port(host: str) -> int:
+    with contextlib.closing(_bind(host, 0)) as sock:
+        return sock.getsockname()[1]
+
+
+async def _start_grpc(dataplane: DataPlane, settings: ServeSettings) -> tuple[Any, str]:
+    """Start the gRPC server; return (server or None, the 'gRPC on ...' / 'gRPC off (...)' phrase)."""
+    if settings.grpc_port < 0:
+        return None, "gRPC off (--grpc-port -1)"
+    try:
+        from .transports.grpc import create_grpc_server
+    except ImportError as exc:
+        log.warning("gRPC transport is not available (%s); serving REST only", exc)
+        return None, f"gRPC off (transport not available: {exc})"
+    port = settings.grpc_port
+    if "max_message_bytes" in inspect.signature(create_grpc_server).parameters:
+        server = create_grpc_server(dataplane, settings.host, port, max_message_bytes=settings.max_request_bytes)
+    else:
+        port = port or _free_port(settings.host)
+        server = create_grpc_server(dataplane, settings.host, port)
+    await server.start()
+    port = getattr(server, "bound_port", None) or port
+    return server, f"gRPC on {settings.host}:{port}"
+
+
+async def serve(settings: ServeSettings, dataplane: DataPlane | None = None,
+                stop_event: asyncio.Event | None = None) -> int:
+    """Run the server until SIGTERM/SIGINT (or ``stop_event``), drain, and return the exit code."""
+    dataplane = dataplane or build_dataplane(settings)
+    stop = stop_event or asyncio.Event()
+    sock = _bind(settings.host, settings.http_port)
+    http_port = sock.getsockname()[1]
+    config = uvicorn.Config(create_rest_app(dataplane, settings.max_request_bytes), lifespan="off",
+                            log_level=settings.log_level, access_log=settings.log_level == "debug",
+                            timeout_graceful_shutdown=settings.drain_timeout_s)
+    http = _UvicornServer(config)
+    http_task = asyncio.create_task(http.serve(sockets=[sock]), name="http")
+    while not http.started and not http_task.done():
+        await asyncio.sleep(0.01)
+    if http_task.done():
+        http_task.result()
+        raise RNNServeError("the HTTP server stopped during startup")
+    try:
+        grpc_server, grpc_phrase = await _start_grpc(dataplane, settings)
+    except Exception as exc:
+        http.should_exit = True
+        await http_task
+        if isinstance(exc, RNNServeError):
+            raise
+        raise RNNServeError(f"the gRPC server could not start: {exc}") from exc
+    line = f"rnnserve: HTTP on {settings.host}:{http_port}, {grpc_phrase}"
+    print(line, flush=True)
+    log.info("%s; loading models from %s on device %s", line, settings.repository, settings.device)
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    load_task = asyncio.create_task(dataplane.start(), name="load-models")
+    load_task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.error(
+        "loading the repository failed: %s", t.exception()))
+
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({stopper, http_task}, return_when=asyncio.FIRST_COMPLETED)
+    log.info("rnnserve: draining in-flight requests (up to %.0fs)", settings.drain_timeout_s)
+    dataplane.begin_drain()
+    http.should_exit = True
+    waits = [http_task]
+    if grpc_server is not None:
+        waits.append(asyncio.create_task(grpc_server.stop(settings.drain_timeout_s)))
+    await asyncio.gather(*waits, return_exceptions=True)
+    stopper.cancel()
+    if not load_task.done():
+        load_task.cancel()
+        with contextlib.suppress(BaseException):
+            await load_task
+    await dataplane.stop(drain=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.remove_signal_handler(sig)
+    if http_task.done() and not http_task.cancelled() and http_task.exception() is not None and not stop.is_set():
+        log.error("rnnserve: the HTTP server failed: %s", http_task.exception())
+        return 1
+    log.info("rnnserve: stopped")
+    return 0
+
+
+def serve_main(argv: list[str]) -> int:
+    """`rnnserve serve [flags]`: parse settings (flags over RNNSERVE_* env vars) and serve."""
+    try:
+        settings = ServeSettings.from_args(argv)
+    except RNNServeError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    logging.getLogger().setLevel(settings.log_level.upper())
+    try:
+        return asyncio.run(serve(settings))
+    except RNNServeError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 1

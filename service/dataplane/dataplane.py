@@ -1,0 +1,160 @@
+"""DataPlane: the one implementation of the inference protocol behind every transport.
+
+REST and gRPC decode their wire format into :mod:`.types`, call a method here, and
+encode what it returns; errors are :mod:`service.errors` exceptions that carry their
+status. Validation, model lookup, readiness and request metrics live only here.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from .. import __version__
+from ..errors import NotFound, RNNServeError, Unavailable
+from ..metrics import ServerMetrics
+from ..registry import ModelRegistry, ModelState, ServedVersion
+from ..scheduler import SequenceWork
+from .signature import ModelSignature
+from .types import InferRequest, InferResponse, InferTensor, datatype_of
+from .validation import StreamRequest, request_deadline, stream_request, to_work
+
+log = logging.getLogger("rnnserve.dataplane")
+
+EXTENSIONS = ["binary_tensor_data", "model_repository", "sequence"]
+
+
+class DataPlane:
+    """Health, metadata, inference and repository control over a :class:`ModelRegistry`."""
+
+    def __init__(self, registry: ModelRegistry, metrics: ServerMetrics | None = None) -> None:
+        self.registry = registry
+        self.metrics = metrics if metrics is not None else ServerMetrics()
+        self._stopping = False
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the repository's models (the server is live meanwhile, ready afterwards)."""
+        await self.registry.start()
+
+    def begin_drain(self) -> None:
+        """Report not-ready from now on (load balancers stop routing) while in-flight requests finish."""
+        self._stopping = True
+
+    async def stop(self, drain: bool = True) -> None:
+        """Stop serving: run (``drain``) or refuse what waits in the schedulers, then release engines."""
+        self._stopping = True
+        await self.registry.stop(drain)
+
+    # ---- health and metadata -------------------------------------------------------------------------
+
+    def live(self) -> bool:
+        return True
+
+    def ready(self) -> bool:
+        return not self._stopping and self.registry.ready()
+
+    def server_metadata(self) -> dict:
+        return {"name": "rnnserve", "version": __version__, "extensions": list(EXTENSIONS)}
+
+    def model_metadata(self, name: str, version: str = "") -> dict:
+        served = self.registry.version(name, version)
+        if served.model is None:
+            self.registry.serving(name, version)  # raises Unavailable with the reason
+        entry = self.registry.entry(name)
+        versions = sorted(v for v, sv in entry.versions.items() if sv.state == ModelState.READY)
+        sig = ModelSignature.of(served.model.spec)
+        return {
+            "name": name,
+            "versions": [str(v) for v in versions],
+            "platform": served.platform,
+            "inputs": [t.to_dict() for t in sig.inputs],
+            "outputs": [t.to_dict() for t in sig.outputs],
+        }
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        try:
+            served = self.registry.version(name, version)
+        except Unavailable:  # a known model folder with no version to serve
+            return False
+        return served.state == ModelState.READY
+
+    # ---- inference --------------------------------------------------------------------------------------
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        """Validate, queue for batching, and answer one request."""
+        start = time.perf_counter()
+        known = request.model_name in self.registry.names()
+        model_label, version_label = (request.model_name if known else ""), ""
+        try:
+            served = self.registry.serving(request.model_name, request.model_version)
+            model_label, version_label = served.name, served.label
+            sig = ModelSignature.of(served.model.spec)
+            deadline = request_deadline(request.parameters)
+            stream = stream_request(request.parameters)
+            work = to_work(request, sig, served.config.max_sequence_length, stream)
+            if stream is None:
+                results = await served.scheduler.submit(work, deadline)
+            else:
+                results = await self._stream_chunk(served, sig, stream, work, deadline)
+        except RNNServeError as exc:
+            self._count(model_label, version_label, exc.status.lower())
+            raise
+        except Exception as exc:
+            log.exception("request to model %s failed", request.model_name)
+            self._count(model_label, version_label, "internal")
+            raise RNNServeError(f"model '{request.model_name}' failed: {type(exc).__name__}: {exc}") from exc
+        params = {o.name: o.parameters for o in (request.outputs or [])}
+        order = [o.name for o in request.outputs] if request.outputs else sig.output_names
+        outputs = []
+        for name in order:
+            if name in results:
+                arr = results[name]
+                outputs.append(InferTensor(name, datatype_of(arr), list(arr.shape), arr, dict(params.get(name, {}))))
+        self._count(model_label, version_label, "success")
+        if self.metrics is not None:
+            self.metrics.request_duration.labels(model=model_label, version=version_label).observe(
+                time.perf_counter() - start)
+        return InferResponse(served.name, served.label, request.id, outputs)
+
+    @staticmethod
+    async def _stream_chunk(served: ServedVersion, sig: ModelSignature, stream: StreamRequest, work: SequenceWork,
+                            deadline: float | None) -> dict:
+        """Run one chunk of a stream from the state the previous chunk left; keep the new state."""
+        store = served.streams
+        state = store.open(stream.key, stream.start)
+        async with state.lock:
+            if state.ended:
+                raise NotFound(f"stream {stream.key} of model '{served.name}' ended or was restarted while this "
+                               f"chunk waited for the previous one")
+            wanted = work.outputs
+            work.h0 = None if state.h is None else state.h[None]
+            work.c0 = None if state.c is None else state.c[None]
+            work.outputs = wanted | ({"h_n", "c_n"} & set(sig.output_names))
+            try:
+                results = await served.scheduler.submit(work, deadline)
+            except BaseException:
+                if stream.start:
+                    store.close(state)
+                raise
+            state.h = results["h_n"][0]
+            state.c = results["c_n"][0] if "c_n" in results else None
+            state.last_used = time.monotonic()
+            if stream.end:
+                store.close(state)
+        return {k: v for k, v in results.items() if k in wanted}
+
+    def _count(self, model: str, version: str, outcome: str) -> None:
+        # Requests for unknown models are counted under model "" so clients cannot create series at will.
+        self.metrics.requests.labels(model=model, version=version, outcome=outcome).inc()
+
+    # ---- repository extension --------------------------------------------------------------------------------
+
+    def repository_index(self, ready_only: bool = False) -> list[dict]:
+        return self.registry.index(ready_only)
+
+    async def load_model(self, name: str) -> None:
+        await self.registry.load(name)
+
+    async def unload_model(self, name: str) -> None:
+        await self.registry.unload(name)

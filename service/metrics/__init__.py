@@ -1,0 +1,89 @@
+"""Prometheus metrics of rnnserve, created on a registry the composition root owns.
+
+Nothing here touches prometheus_client's global registry, so two servers (or two
+tests) in one process never share counters. Units follow Prometheus naming:
+seconds, ``_total`` counters, histograms for durations and sizes. Every
+per-model series carries ``model`` and ``version`` labels.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_STEP_BUCKETS = (1, 10, 25, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 100000)
+_LOAD_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+MV = ("model", "version")
+
+
+class ServerMetrics:
+    """All series rnnserve exports; pass one instance to the dataplane, scheduler and registry."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "rnnserve_requests", "Inference requests by outcome (success or the error status, lower case).",
+            MV + ("outcome",), registry=r)
+        self.request_duration = Histogram(
+            "rnnserve_request_duration_seconds", "Time from request decoded to response ready (successful requests).",
+            MV, buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_duration = Histogram(
+            "rnnserve_queue_duration_seconds", "Time a request waited in the scheduler before its batch ran.",
+            MV, buckets=_LATENCY_BUCKETS, registry=r)
+        self.compute_duration = Histogram(
+            "rnnserve_compute_duration_seconds", "Engine time per batch, including merge and split.",
+            MV, buckets=_LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram(
+            "rnnserve_batch_size", "Sequences per engine call.", MV, buckets=_BATCH_BUCKETS, registry=r)
+        self.batch_timesteps = Histogram(
+            "rnnserve_batch_timesteps", "Padded T (longest sequence) per engine call.", MV,
+            buckets=_STEP_BUCKETS, registry=r)
+        self.computed_timesteps = Counter(
+            "rnnserve_computed_timesteps", "Sequence-steps the engine was given (batch size x padded T).", MV,
+            registry=r)
+        self.useful_timesteps = Counter(
+            "rnnserve_useful_timesteps", "Sequence-steps that were real data (sum of lengths); "
+            "1 - useful/computed is the padding waste.", MV, registry=r)
+        self.batch_failures = Counter(
+            "rnnserve_batch_failures", "Engine calls that raised; their requests failed.", MV, registry=r)
+        self.queue_depth = Gauge(
+            "rnnserve_queue_depth", "Requests waiting in the scheduler.", MV, registry=r)
+        self.active_streams = Gauge(
+            "rnnserve_active_streams", "Live stateful streams (sequence_id) holding state on the server.", MV,
+            registry=r)
+        self.model_load_duration = Histogram(
+            "rnnserve_model_load_duration_seconds", "Time to read a model and build its engine.", MV,
+            buckets=_LOAD_BUCKETS, registry=r)
+        self.model_ready = Gauge(
+            "rnnserve_model_ready", "1 when the model version serves requests, else 0.", MV, registry=r)
+        self.model_engine = Gauge(
+            "rnnserve_model_engine", "1 for the engine serving a model version (label engine).",
+            MV + ("engine",), registry=r)
+        self.device_memory = Gauge(
+            "rnnserve_device_memory_bytes", "Accelerator memory in use by rnnserve (0 on CPU).", ("device",),
+            registry=r)
+
+    def watch_device_memory(self, device: str, read: Callable[[], float]) -> None:
+        """Report ``read()`` as device memory in use on ``device`` at every scrape."""
+        self.device_memory.labels(device=device).set_function(read)
+
+    def forget_model(self, model: str, version: str) -> None:
+        """Drop the gauges of an unloaded version (counters and histograms keep their history)."""
+        for gauge in (self.queue_depth, self.model_ready, self.active_streams):
+            try:
+                gauge.remove(model, version)
+            except KeyError:
+                pass
+
+    def render(self) -> bytes:
+        """Prometheus text exposition of every series."""
+        return generate_latest(self.registry)
+
+
+__all__ = ["ServerMetrics", "CONTENT_TYPE_LATEST"]

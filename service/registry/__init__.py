@@ -1,0 +1,4 @@
+"""The model registry: which models and versions are served, in what state, by which engine."""
+from .registry import DEFAULTED_FIELDS, ModelEntry, ModelRegistry, ModelState, ServedVersion, effective_config
+
+__all__ = ["ModelRegistry", "ModelState", "ModelEntry", "ServedVersion", "effective_config", "DEFAULTED_FIELDS"]

@@ -1,0 +1,323 @@
+"""ModelRegistry: the served models, their versions and states, loaded from the repository.
+
+At start every subfolder of the repository is a model; its ``config.json`` chooses
+versions (``version_policy``: ``latest`` by default, ``all``, or a list of numbers).
+Each served version gets an engine and a :class:`Scheduler`. A folder that cannot be
+read, configured or loaded shows as UNAVAILABLE with the reason in the index and
+never stops the others. Reading weights and building engines runs in a thread, off
+the event loop.
+
+States: LOADING -> READY -> UNLOADING -> UNAVAILABLE (reason "unloaded"); a failed
+load is UNAVAILABLE with its error. ``load`` on a served model reloads it: the new
+versions are built first and swapped in, then the old ones drain, so requests do
+not see a gap. ``ready()`` is true once the startup scan has tried every model:
+every loadable model is then READY.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from ..engines import create_engine
+from ..errors import InvalidInput, NotFound, RNNServeError, Unavailable
+from ..metrics import ServerMetrics
+from ..repository import ModelConfig, PackedModel, load_config, load_model
+from ..repository.model import model_versions
+from ..scheduler import Scheduler, StreamStore
+
+log = logging.getLogger("rnnserve.registry")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+# Fields the server's settings give every model unless its config.json says otherwise.
+DEFAULTED_FIELDS = ("max_batch_size", "max_queue_delay_us", "max_queue_size", "max_sequence_length")
+
+
+class ModelState(str, Enum):
+    READY = "READY"
+    UNAVAILABLE = "UNAVAILABLE"
+    LOADING = "LOADING"
+    UNLOADING = "UNLOADING"
+
+
+@dataclass(eq=False)
+class ServedVersion:
+    """One version of one model and what serves it."""
+
+    name: str
+    version: int
+    state: ModelState = ModelState.LOADING
+    reason: str = ""
+    config: ModelConfig | None = None
+    model: PackedModel | None = None
+    engine: Any = None
+    scheduler: Scheduler | None = None
+    streams: StreamStore | None = None
+
+    @property
+    def label(self) -> str:
+        return str(self.version)
+
+    @property
+    def platform(self) -> str:
+        """Engine name as a V2 platform, e.g. rnnserve_reference."""
+        return f"rnnserve_{getattr(self.engine, 'name', 'unknown')}"
+
+
+@dataclass(eq=False)
+class ModelEntry:
+    """A model folder: its versions, or the reason it has none."""
+
+    name: str
+    versions: dict[int, ServedVersion] = field(default_factory=dict)
+    state: ModelState = ModelState.UNAVAILABLE
+    reason: str = ""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def effective_config(model_dir: Path, defaults: dict[str, Any]) -> ModelConfig:
+    """The model's config.json over the server's defaults.
+
+    A field in config.json overrides the server default only when it differs from
+    the built-in default: ``PackedModel.save`` writes every field, so an untouched
+    file must not pin the server's ``--max-batch-size`` and friends.
+    """
+    cfg = load_config(model_dir)
+    builtin = ModelConfig()
+    update = {k: defaults[k] for k in DEFAULTED_FIELDS
+              if k in defaults and getattr(cfg, k) == getattr(builtin, k)}
+    return cfg.model_copy(update=update)
+
+
+class ModelRegistry:
+    """Scans ``repository``; loads, serves and unloads model versions."""
+
+    def __init__(self, repository: str | Path, device: str = "cpu", defaults: dict[str, Any] | None = None,
+                 metrics: ServerMetrics | None = None) -> None:
+        self.repository = Path(repository)
+        self.device = device
+        self.defaults = dict(defaults or {})
+        self.metrics = metrics
+        self._models: dict[str, ModelEntry] = {}
+        self._started = False
+
+    # ---- queries -------------------------------------------------------------------------------
+
+    def ready(self) -> bool:
+        """True once the startup scan has tried every model: each loadable one is then READY.
+
+        Loads and unloads through the API later do not flip it: old versions keep serving
+        during a reload, and an unloaded model is not loadable.
+        """
+        return self._started
+
+    def names(self) -> list[str]:
+        return sorted(self._models)
+
+    def entry(self, name: str) -> ModelEntry:
+        """The model folder ``name`` or NotFound."""
+        try:
+            return self._models[name]
+        except KeyError:
+            raise NotFound(f"unknown model '{name}'; the repository has {', '.join(self.names()) or 'no models'}") from None
+
+    def version(self, name: str, version: str = "") -> ServedVersion:
+        """The version to serve: the given one, or the highest READY one when ``version`` is ""; NotFound if unknown."""
+        entry = self.entry(name)
+        if version in ("", None):
+            ready = [v for v in entry.versions.values() if v.state == ModelState.READY]
+            if ready:
+                return max(ready, key=lambda v: v.version)
+            if entry.versions:
+                return max(entry.versions.values(), key=lambda v: v.version)
+            raise Unavailable(f"model '{name}' is not available: {entry.reason or entry.state.value}")
+        if not str(version).isdigit() or int(version) not in entry.versions:
+            have = ", ".join(str(v) for v in sorted(entry.versions)) or "none"
+            raise NotFound(f"model '{name}' has no version '{version}' (served versions: {have})")
+        return entry.versions[int(version)]
+
+    def serving(self, name: str, version: str = "") -> ServedVersion:
+        """The READY version that should run a request, or NotFound / Unavailable saying why not."""
+        served = self.version(name, version)
+        if served.state != ModelState.READY or served.scheduler is None:
+            why = f": {served.reason}" if served.reason else ""
+            raise Unavailable(f"model '{name}' version {served.version} is not ready "
+                              f"(state {served.state.value}{why})")
+        return served
+
+    def index(self, ready_only: bool = False) -> list[dict[str, str]]:
+        """Repository index rows: name, version, state, reason."""
+        rows = []
+        for name in self.names():
+            entry = self._models[name]
+            if not entry.versions:
+                rows.append({"name": name, "version": "", "state": entry.state.value, "reason": entry.reason})
+            for v in sorted(entry.versions):
+                sv = entry.versions[v]
+                rows.append({"name": name, "version": sv.label, "state": sv.state.value, "reason": sv.reason})
+        if ready_only:
+            rows = [r for r in rows if r["state"] == ModelState.READY.value]
+        return rows
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Scan the repository and load every model (concurrently, each off the event loop)."""
+        if not self.repository.is_dir():
+            log.warning("model repository %s does not exist; serving no models", self.repository)
+            names: list[str] = []
+        else:
+            names = sorted(p.name for p in self.repository.iterdir() if p.is_dir() and not p.name.startswith("."))
+        for name in names:
+            self._models.setdefault(name, ModelEntry(name, state=ModelState.LOADING))
+        try:
+            await asyncio.gather(*(self._load_logged(n) for n in names))
+        finally:
+            self._started = True
+
+    async def stop(self, drain: bool = True) -> None:
+        """Stop every scheduler (running what waits when ``drain``) and release engines."""
+        for entry in list(self._models.values()):
+            for sv in list(entry.versions.values()):
+                await self._retire(sv, drain)
+
+    async def _load_logged(self, name: str) -> None:
+        try:
+            await self.load(name)
+        except RNNServeError as exc:
+            log.error("model %s is unavailable: %s", name, exc.message)
+
+    async def load(self, name: str) -> None:
+        """(Re)load model ``name`` from the repository per its version policy; raise the load error if any."""
+        if not _NAME.match(name):
+            raise InvalidInput(f"'{name}' is not a model name: use letters, digits, '_', '-', '.', starting "
+                               f"with a letter or digit")
+        model_dir = self.repository / name
+        if not model_dir.is_dir():
+            if name in self._models and not self._models[name].versions:
+                del self._models[name]
+            raise NotFound(f"no model '{name}' in repository {self.repository} (expected folder {model_dir})")
+        entry = self._models.setdefault(name, ModelEntry(name))
+        async with entry.lock:
+            await self._load_locked(entry, model_dir)
+
+    async def _load_locked(self, entry: ModelEntry, model_dir: Path) -> None:
+        try:
+            config = effective_config(model_dir, self.defaults)
+            wanted = self._policy_versions(model_dir, config)
+        except RNNServeError as exc:
+            if not any(v.state == ModelState.READY for v in entry.versions.values()):
+                for sv in list(entry.versions.values()):
+                    await self._retire(sv, drain=True)
+                entry.versions.clear()
+                entry.state, entry.reason = ModelState.UNAVAILABLE, exc.message
+            raise
+        old = dict(entry.versions)
+        fresh = {v: ServedVersion(entry.name, v, config=config) for v in wanted}
+        for v, sv in fresh.items():
+            if v not in old:
+                entry.versions[v] = sv
+        entry.state, entry.reason = ModelState.LOADING, ""
+        errors = await asyncio.gather(*(self._load_version(sv, model_dir) for sv in fresh.values()))
+        failures = [e for e in errors if e is not None]
+        for v, sv in fresh.items():
+            previous = old.get(v)
+            if sv.state == ModelState.READY or previous is None or previous.state != ModelState.READY:
+                entry.versions[v] = sv
+        for v, previous in old.items():
+            if entry.versions.get(v) is not previous:
+                await self._retire(previous, drain=True)
+                if v not in fresh:
+                    del entry.versions[v]
+        ok = any(sv.state == ModelState.READY for sv in entry.versions.values())
+        entry.state = ModelState.READY if ok else ModelState.UNAVAILABLE
+        entry.reason = "" if ok else "; ".join(e.message for e in failures)
+        if failures:
+            raise failures[0]
+
+    def _policy_versions(self, model_dir: Path, config: ModelConfig) -> list[int]:
+        present = model_versions(model_dir)
+        if not present:
+            raise InvalidInput(f"model folder {model_dir} has no version folder with a model.safetensors "
+                               f"(expected {model_dir}/1/model.safetensors)")
+        policy = config.version_policy
+        if policy == "latest":
+            return [present[-1]]
+        if policy == "all":
+            return present
+        missing = sorted(set(policy) - set(present))
+        if missing:
+            raise InvalidInput(f"version_policy of model '{model_dir.name}' lists versions {missing} that have no "
+                               f"folder with a model.safetensors (present: {present})")
+        return sorted(set(policy))
+
+    async def _load_version(self, sv: ServedVersion, model_dir: Path) -> RNNServeError | None:
+        sv.state, sv.reason = ModelState.LOADING, ""
+        start = time.perf_counter()
+        try:
+            model, engine = await asyncio.to_thread(self._build, model_dir, sv.version, sv.config)
+        except Exception as exc:  # noqa: BLE001 - a broken model must not stop the others
+            err = exc if isinstance(exc, RNNServeError) else RNNServeError(f"{type(exc).__name__}: {exc}")
+            sv.state = ModelState.UNAVAILABLE
+            sv.reason = f"failed to load: {err.message}"
+            log.error("model %s version %s failed to load: %s", sv.name, sv.version, err.message)
+            return type(err)(f"model '{sv.name}' version {sv.version} {sv.reason}")
+        cfg = sv.config
+        sv.model, sv.engine = model, engine
+        sv.scheduler = Scheduler(engine, sv.name, sv.label, max_batch_size=cfg.max_batch_size,
+                                 max_queue_delay_us=cfg.max_queue_delay_us, max_queue_size=cfg.max_queue_size,
+                                 metrics=self.metrics)
+        await sv.scheduler.start()
+        sv.streams = StreamStore(sv.name, sv.label, cfg.max_streams, cfg.stream_idle_timeout_s, self.metrics)
+        sv.state = ModelState.READY
+        elapsed = time.perf_counter() - start
+        if self.metrics is not None:
+            self.metrics.model_load_duration.labels(model=sv.name, version=sv.label).observe(elapsed)
+            self.metrics.model_ready.labels(model=sv.name, version=sv.label).set(1)
+            self.metrics.model_engine.labels(model=sv.name, version=sv.label, engine=engine.name).set(1)
+        log.info("model %s version %s ready on %s engine in %.2fs (max_batch_size %d, max_queue_delay_us %d)",
+                 sv.name, sv.version, engine.name, elapsed, cfg.max_batch_size, cfg.max_queue_delay_us)
+        return None
+
+    def _build(self, model_dir: Path, version: int, config: ModelConfig) -> tuple[PackedModel, Any]:
+        model = load_model(model_dir, version)
+        model.config = config
+        return model, create_engine(model, self.device)
+
+    async def unload(self, name: str) -> None:
+        """Drain and unload every version of ``name``; it stays in the index as UNAVAILABLE ("unloaded")."""
+        entry = self.entry(name)
+        async with entry.lock:
+            for sv in list(entry.versions.values()):
+                await self._retire(sv, drain=True)
+                sv.reason = "unloaded"
+            entry.state, entry.reason = ModelState.UNAVAILABLE, "unloaded"
+
+    async def _retire(self, sv: ServedVersion, drain: bool) -> None:
+        was_serving = sv.scheduler is not None
+        sv.state = ModelState.UNLOADING if was_serving else sv.state
+        if sv.scheduler is not None:
+            await sv.scheduler.stop(drain)
+            sv.scheduler = None
+        if sv.streams is not None:
+            sv.streams.clear()
+            sv.streams = None
+        if sv.engine is not None:
+            try:
+                await asyncio.to_thread(sv.engine.close)
+            except Exception:  # noqa: BLE001 - a failing close must not block unloading
+                log.exception("closing the engine of %s version %s failed", sv.name, sv.version)
+            if self.metrics is not None:
+                try:
+                    self.metrics.model_engine.remove(sv.name, sv.label, sv.engine.name)
+                except KeyError:
+                    pass
+            sv.engine = None
+        sv.model = None
+        if was_serving:
+            sv.state = ModelState.UNAVAILABLE

@@ -1,0 +1,158 @@
+"""Tensor merge and split for ragged batching: the only place that pads and un-pads.
+
+A request's validated sequences are a :class:`SequenceWork`. :func:`merge` stacks
+several of them into one engine batch padded to the batch's longest *valid* length
+(client padding past the last length is not computed), and :func:`split` cuts the
+engine's outputs back per request, re-padded with zeros to each request's own T,
+gathering ``output_last`` on the way.
+
+Engines compute each sequence over its own length only (packed-sequence
+semantics), so a sequence's result does not depend on what it was batched with,
+up to float32 rounding of differently sized GEMMs (~1e-7 relative).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..spec import RNNSpec
+
+OUTPUT_NAMES = ("output", "output_last", "h_n", "c_n")
+
+
+@dataclass
+class SequenceWork:
+    """One request's sequences, validated and ready to batch.
+
+    x [B, T, I] float32, lengths [B] int64 (1..T), h0 [B, S, Ho] / c0 [B, Sc, H] float32
+    or None, outputs: the output names to return. A stateful stream would fill h0/c0
+    from its store and read h_n/c_n back; the scheduler needs nothing else for that.
+    """
+
+    x: np.ndarray
+    lengths: np.ndarray
+    h0: np.ndarray | None = None
+    c0: np.ndarray | None = None
+    outputs: frozenset[str] = field(default_factory=lambda: frozenset(OUTPUT_NAMES))
+
+    @property
+    def sequences(self) -> int:
+        """B: sequences in this request."""
+        return int(self.x.shape[0])
+
+    @property
+    def steps(self) -> int:
+        """Longest valid length of this request (what it costs the engine in time steps)."""
+        return int(self.lengths.max())
+
+
+@dataclass
+class MergedBatch:
+    """Engine arguments for several requests: x [N, Tmax, I], lengths [N], h0/c0 or None."""
+
+    x: np.ndarray
+    lengths: np.ndarray
+    h0: np.ndarray | None
+    c0: np.ndarray | None
+
+    @property
+    def computed_steps(self) -> int:
+        """N x Tmax: the padded work given to the engine."""
+        return int(self.x.shape[0] * self.x.shape[1])
+
+    @property
+    def useful_steps(self) -> int:
+        """Sum of lengths: the real work."""
+        return int(self.lengths.sum())
+
+
+def merge(parts: list[SequenceWork]) -> MergedBatch:
+    """Stack ``parts`` into one batch padded to the longest valid length; missing states are zeros."""
+    t_max = max(p.steps for p in parts)
+    if len(parts) == 1 and parts[0].x.shape[1] == t_max:
+        p = parts[0]
+        return MergedBatch(p.x, p.lengths, p.h0, p.c0)
+    n = sum(p.sequences for p in parts)
+    feat = parts[0].x.shape[2]
+    x = np.zeros((n, t_max, feat), dtype=np.float32)
+    lengths = np.empty(n, dtype=np.int64)
+    h0 = _stack_states([p.h0 for p in parts], [p.sequences for p in parts])
+    c0 = _stack_states([p.c0 for p in parts], [p.sequences for p in parts])
+    row = 0
+    for p in parts:
+        t = min(p.x.shape[1], t_max)
+        x[row:row + p.sequences, :t] = p.x[:, :t]
+        lengths[row:row + p.sequences] = p.lengths
+        row += p.sequences
+    return MergedBatch(x, lengths, h0, c0)
+
+
+def _stack_states(states: list[np.ndarray | None], counts: list[int]) -> np.ndarray | None:
+    present = [s for s in states if s is not None]
+    if not present:
+        return None
+    shape = present[0].shape[1:]
+    return np.concatenate(
+        [s if s is not None else np.zeros((b,) + shape, np.float32) for s, b in zip(states, counts)], axis=0
+    )
+
+
+def output_last(spec: RNNSpec, output: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Many-to-one output [N, D*Ho]: each direction's output at its own final step.
+
+    Forward runs end at ``length - 1``; a reverse direction (the second half of a
+    bidirectional block, or a unidirectional block with variant ``reverse``) ends at step 0.
+    """
+    last = spec.blocks[-1]
+    rows = np.arange(output.shape[0])
+    if last.variant.get("reverse"):
+        return np.ascontiguousarray(output[:, 0])
+    result = output[rows, lengths - 1]
+    if last.directions == 2:
+        ho = last.output_size
+        result[:, ho:] = output[:, 0, ho:]
+    return np.ascontiguousarray(result)
+
+
+def split(spec: RNNSpec, batch: MergedBatch, output: np.ndarray, h_n: Any, c_n: Any,
+          parts: list[SequenceWork]) -> list[dict[str, np.ndarray]]:
+    """Cut engine results back into one dict of requested outputs per part (float32)."""
+    output = np.asarray(output, dtype=np.float32)
+    want_last = any("output_last" in p.outputs for p in parts)
+    last = output_last(spec, output, batch.lengths) if want_last else None
+    results: list[dict[str, np.ndarray]] = []
+    row = 0
+    t_batch = output.shape[1]
+    for p in parts:
+        rows = slice(row, row + p.sequences)
+        row += p.sequences
+        res: dict[str, np.ndarray] = {}
+        if "output" in p.outputs:
+            t_req = p.x.shape[1]
+            if t_req == t_batch:
+                res["output"] = output[rows]
+            else:
+                out = np.zeros((p.sequences, t_req, output.shape[2]), np.float32)
+                t = min(t_req, t_batch)
+                out[:, :t] = output[rows, :t]
+                res["output"] = out
+        if last is not None and "output_last" in p.outputs:
+            res["output_last"] = last[rows]
+        if "h_n" in p.outputs and h_n is not None:
+            res["h_n"] = np.asarray(h_n[rows], dtype=np.float32)
+        if "c_n" in p.outputs and c_n is not None:
+            res["c_n"] = np.asarray(c_n[rows], dtype=np.float32)
+        results.append(res)
+    return results
+
+
+def run_batch(engine: Any, parts: list[SequenceWork]) -> tuple[MergedBatch, list[dict[str, np.ndarray]]]:
+    """Merge, run the engine once, split: the body of one scheduler step (runs off the event loop)."""
+    batch = merge(parts)
+    out = engine.forward(batch.x, batch.lengths, batch.h0, batch.c0)
+    output = out.output.get() if hasattr(out.output, "get") else out.output
+    h_n = out.h_n.get() if hasattr(out.h_n, "get") else out.h_n
+    c_n = out.c_n.get() if hasattr(out.c_n, "get") else out.c_n
+    return batch, split(engine.spec, batch, output, h_n, c_n, parts)

@@ -1,0 +1,261 @@
+"""Scheduler: dynamic batching of ragged sequences for one model version.
+
+Every request becomes a waiting item with a future. One worker task per model
+forms batches and runs them, one at a time and in order, on a single worker thread
+(so the event loop never computes and a model's batches never overlap).
+
+Batching policy
+---------------
+* Backpressure: at most ``max_queue_size`` requests wait; one more is refused at once
+  with :class:`Unavailable` (HTTP 503, gRPC UNAVAILABLE).
+* Window: a batch runs when the waiting requests hold ``max_batch_size`` sequences,
+  or when the oldest has waited ``max_queue_delay_us``, whichever comes first. While a
+  batch computes, new requests wait; the next batch is formed as soon as it finishes.
+* Grouping by length: when more sequences wait than fit in one batch, the waiting
+  requests are ordered by their longest length and the batch is grown from the
+  *oldest* request towards its nearest neighbours in length. Long sequences thus
+  batch with long ones and short with short (a 200-step sequence does not hold 60
+  ten-step ones for 200 steps), and the oldest request always runs next, so nothing
+  starves. When everything waiting fits in one batch it runs as one batch: on a
+  single worker, splitting would only add engine calls.
+* A request with more sequences than ``max_batch_size`` runs alone as one batch.
+* Deadlines: a request's ``timeout`` (µs) bounds its time in the queue; when it
+  passes before the batch starts, the request fails with :class:`DeadlineExceeded`
+  and is never computed. Once running, a request completes.
+* A batch that raises fails its own requests with the error (engine errors are
+  wrapped with the model name and batch size); the scheduler keeps serving.
+
+Stateful streams need nothing special here: the dataplane fills ``SequenceWork.h0/c0``
+from the :class:`~.streams.StreamStore` and keeps ``h_n/c_n`` from the result, and
+submits a stream's chunks one at a time, so chunks of different streams batch
+together and chunks of one stream never share a batch.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import DeadlineExceeded, RNNServeError, Unavailable
+from ..metrics import ServerMetrics
+from .batching import SequenceWork, run_batch
+
+log = logging.getLogger("rnnserve.scheduler")
+
+_QUEUED, _RUNNING, _DROPPED = "queued", "running", "dropped"
+
+
+@dataclass(eq=False)
+class _Waiting:
+    work: SequenceWork
+    future: asyncio.Future
+    enqueued: float
+    deadline: float | None
+    state: str = _QUEUED
+    queue_seconds: float = field(default=0.0)
+
+
+class Scheduler:
+    """Batches requests for one engine; ``submit`` returns the request's outputs by name."""
+
+    def __init__(self, engine: Any, model: str, version: str, *, max_batch_size: int, max_queue_delay_us: int,
+                 max_queue_size: int, metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.model = model
+        self.version = version
+        self.max_batch_size = max_batch_size
+        self.max_queue_delay = max_queue_delay_us / 1e6
+        self.max_queue_size = max_queue_size
+        self._metrics = metrics
+        self._waiting: list[_Waiting] = []
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._task: asyncio.Task | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._labels = {"model": model, "version": version}
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting (not yet running)."""
+        return len(self._waiting)
+
+    async def start(self) -> None:
+        """Start the worker task and thread."""
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rnnserve-{self.model}-{self.version}")
+        self._task = asyncio.create_task(self._loop(), name=f"scheduler-{self.model}-{self.version}")
+        self._set_depth()
+
+    async def stop(self, drain: bool = True) -> None:
+        """Stop taking requests; run what waits (``drain``) or fail it with Unavailable; then stop."""
+        self._closing = True
+        if not drain:
+            for item in self._waiting:
+                self._finish(item, Unavailable(f"model '{self.model}' version {self.version} was unloaded"))
+            self._waiting.clear()
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        if self._metrics is not None:
+            self._metrics.forget_model(self.model, self.version)
+
+    async def submit(self, work: SequenceWork, deadline: float | None = None) -> dict[str, np.ndarray]:
+        """Queue ``work`` and wait for its outputs; ``deadline`` is a ``time.monotonic()`` value or None."""
+        if self._closing or self._task is None:
+            raise Unavailable(f"model '{self.model}' version {self.version} is not accepting requests (unloading)")
+        if len(self._waiting) >= self.max_queue_size:
+            raise Unavailable(
+                f"model '{self.model}' is overloaded: {len(self._waiting)} requests are waiting "
+                f"(max_queue_size {self.max_queue_size}); retry later"
+            )
+        now = time.monotonic()
+        if deadline is not None and deadline <= now:
+            raise DeadlineExceeded(f"the request's timeout passed before model '{self.model}' could queue it; "
+                                   f"raise the 'timeout' parameter")
+        item = _Waiting(work, asyncio.get_running_loop().create_future(), now, deadline)
+        self._waiting.append(item)
+        self._set_depth()
+        self._wake.set()
+        try:
+            if deadline is None:
+                return await item.future
+            done, _ = await asyncio.wait({item.future}, timeout=deadline - time.monotonic())
+            if not done and item.state == _QUEUED:
+                self._drop(item)
+                raise self._expired(item)
+            return await item.future
+        except asyncio.CancelledError:
+            if item.state == _QUEUED:
+                self._drop(item)
+            raise
+
+    def _expired(self, item: _Waiting) -> DeadlineExceeded:
+        waited = 1e6 * (time.monotonic() - item.enqueued)
+        return DeadlineExceeded(
+            f"the request waited {waited:.0f} µs in the queue of model '{self.model}', past its timeout; "
+            f"raise the 'timeout' parameter or retry when the server is less busy"
+        )
+
+    def _drop(self, item: _Waiting) -> None:
+        item.state = _DROPPED
+        try:
+            self._waiting.remove(item)
+        except ValueError:
+            pass
+        self._set_depth()
+
+    def _set_depth(self) -> None:
+        if self._metrics is not None:
+            self._metrics.queue_depth.labels(**self._labels).set(len(self._waiting))
+
+    async def _loop(self) -> None:
+        while True:
+            while not self._waiting:
+                if self._closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+            await self._batching_window()
+            batch = self._take_batch()
+            if batch:
+                await self._run(batch)
+
+    async def _batching_window(self) -> None:
+        while self._waiting and not self._closing:
+            if sum(w.work.sequences for w in self._waiting) >= self.max_batch_size:
+                return
+            remaining = self._waiting[0].enqueued + self.max_queue_delay - time.monotonic()
+            if remaining <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), remaining)
+            except TimeoutError:
+                return
+
+    def _take_batch(self) -> list[_Waiting]:
+        now = time.monotonic()
+        for item in [w for w in self._waiting if w.deadline is not None and w.deadline <= now]:
+            self._drop(item)
+            self._finish(item, self._expired(item))
+        if not self._waiting:
+            return []
+        chosen = self._choose(self._waiting)
+        for item in chosen:
+            self._waiting.remove(item)
+            item.state = _RUNNING
+            item.queue_seconds = now - item.enqueued
+        self._set_depth()
+        return chosen
+
+    def _choose(self, waiting: list[_Waiting]) -> list[_Waiting]:
+        """Pick the next batch: everything if it fits, else the oldest plus its nearest neighbours in length."""
+        cap = self.max_batch_size
+        if sum(w.work.sequences for w in waiting) <= cap:
+            return list(waiting)
+        anchor = waiting[0]
+        if anchor.work.sequences >= cap:
+            return [anchor]
+        by_len = sorted(waiting, key=lambda w: w.work.steps)
+        pos = by_len.index(anchor)
+        lo, hi, count = pos, pos + 1, anchor.work.sequences
+        t0 = anchor.work.steps
+        while True:
+            left = by_len[lo - 1] if lo > 0 else None
+            right = by_len[hi] if hi < len(by_len) else None
+            options = [c for c in (left, right) if c is not None and count + c.work.sequences <= cap]
+            if not options:
+                break
+            pick = min(options, key=lambda c: abs(c.work.steps - t0))
+            count += pick.work.sequences
+            if pick is left:
+                lo -= 1
+            else:
+                hi += 1
+        return by_len[lo:hi]
+
+    async def _run(self, batch: list[_Waiting]) -> None:
+        parts = [w.work for w in batch]
+        start = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        try:
+            merged, results = await loop.run_in_executor(self._executor, run_batch, self.engine, parts)
+        except Exception as exc:  # noqa: BLE001 - a failed batch fails its requests, not the server
+            sequences = sum(p.sequences for p in parts)
+            if isinstance(exc, RNNServeError):
+                error: RNNServeError = exc
+            else:
+                log.exception("model %s version %s: batch of %d sequences failed", self.model, self.version, sequences)
+                error = RNNServeError(
+                    f"model '{self.model}' version {self.version} failed on a batch of {sequences} sequences: "
+                    f"{type(exc).__name__}: {exc}"
+                )
+            if self._metrics is not None:
+                self._metrics.batch_failures.labels(**self._labels).inc()
+            for item in batch:
+                self._finish(item, error)
+            return
+        elapsed = time.perf_counter() - start
+        if self._metrics is not None:
+            m, lab = self._metrics, self._labels
+            m.compute_duration.labels(**lab).observe(elapsed)
+            m.batch_size.labels(**lab).observe(merged.x.shape[0])
+            m.batch_timesteps.labels(**lab).observe(merged.x.shape[1])
+            m.computed_timesteps.labels(**lab).inc(merged.computed_steps)
+            m.useful_timesteps.labels(**lab).inc(merged.useful_steps)
+            for item in batch:
+                m.queue_duration.labels(**lab).observe(item.queue_seconds)
+        for item, result in zip(batch, results):
+            if not item.future.done():
+                item.future.set_result(result)
+
+    @staticmethod
+    def _finish(item: _Waiting, error: RNNServeError) -> None:
+        if not item.future.done():
+            item.future.set_exception(error)

@@ -1,0 +1,81 @@
+"""ServeSettings: every knob of `rnnserve serve`, from RNNSERVE_* env vars and CLI flags.
+
+One pydantic-settings class is the single source: each field is an env var
+(``RNNSERVE_<FIELD>``) and a flag (``--field-name``) whose help is the field's
+description. Precedence: CLI flag > env var > default.
+
+The batching fields (``max_batch_size``, ``max_queue_delay_us``, ``max_queue_size``,
+``max_sequence_length``) are server-wide defaults for every model; a model's
+``config.json`` overrides them (see :func:`service.registry.effective_config`).
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .errors import InvalidInput
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ServeSettings(BaseSettings):
+    """Settings of `rnnserve serve`."""
+
+    model_config = SettingsConfigDict(env_prefix="RNNSERVE_", extra="forbid")
+
+    repository: Path = Field(Path("models"), description="Model repository: DIR/<name>/<version>/model.safetensors.")
+    host: str = Field("0.0.0.0", description="Address the HTTP and gRPC servers listen on.")
+    http_port: int = Field(8000, ge=0, le=65535, description="HTTP (REST) port; 0 picks a free port.")
+    grpc_port: int = Field(8001, ge=-1, le=65535, description="gRPC port; 0 picks a free port, -1 turns gRPC off.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Engine device: cuda (cuDNN), cpu (NumPy reference) or auto (cuDNN when available)."
+    )
+    max_batch_size: int = Field(64, ge=1, le=65536, description="Default most sequences per engine call.")
+    max_queue_delay_us: int = Field(
+        500, ge=0, le=10_000_000, description="Default time the oldest waiting request may wait for a fuller batch (µs)."
+    )
+    max_queue_size: int = Field(1024, ge=1, description="Default requests waiting per model; more get 503 at once.")
+    max_sequence_length: int = Field(100_000, ge=1, description="Default longest T accepted per request.")
+    max_request_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="Largest request body (HTTP) or message (gRPC) accepted, in bytes."
+    )
+    drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM/SIGINT, how long in-flight requests may finish.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+
+    @classmethod
+    def from_args(cls, argv: list[str]) -> "ServeSettings":
+        """Settings from env vars overridden by ``argv`` flags (exits with usage on bad flags)."""
+        parser = build_serve_parser()
+        args = parser.parse_args(argv)
+        overrides = {k: v for k, v in vars(args).items() if v is not None}
+        try:
+            return cls(**overrides)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"--{'.'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" for e in exc.errors()
+            )
+            raise InvalidInput(f"bad serve settings: {problems}") from exc
+
+
+def build_serve_parser() -> argparse.ArgumentParser:
+    """`rnnserve serve` flags, generated from :class:`ServeSettings` (defaults come from env/fields)."""
+    parser = argparse.ArgumentParser(
+        prog="rnnserve serve",
+        description="Serve a model repository over REST and gRPC. Every flag is also an env var RNNSERVE_<NAME>.",
+    )
+    for name, info in ServeSettings.model_fields.items():
+        kwargs: dict[str, Any] = {"default": None, "dest": name}
+        ann = info.annotation
+        if get_origin(ann) is Literal:
+            kwargs["choices"] = list(get_args(ann))
+        elif ann in (int, float):
+            kwargs["type"] = ann
+        elif ann is Path:
+            kwargs["type"] = Path
+        kwargs["help"] = f"{info.description} (default {info.default}; env RNNSERVE_{name.upper()})"
+        parser.add_argument(f"--{name.replace('_', '-')}", **kwargs)
+    return parser

@@ -1,0 +1,197 @@
+"""The REST transport: a FastAPI app that maps the V2 HTTP protocol onto a :class:`DataPlane`.
+
+Thin by design: routes decode the wire format (:mod:`.codec`), call the dataplane,
+and encode the answer. Every error becomes ``{"error": "..."}`` with the HTTP code
+from :data:`service.errors.STATUS_TABLE`, through :func:`error_response`.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ... import __version__
+from ...dataplane import DataPlane
+from ...errors import STATUS_TABLE, InvalidInput, RNNServeError
+from .codec import HEADER, decode_request, decompress, encode_response
+from .predict import PredictRequest, PredictResponse, to_infer_request, to_predictions
+
+
+# Bodies and outputs past these sizes are decoded/encoded in a worker thread, so one large JSON
+# request does not hold the event loop (and every other request) for its whole parse.
+_OFFLOAD_BYTES = 256 * 1024
+_OFFLOAD_VALUES = 64 * 1024
+
+
+class RequestTooLarge(RNNServeError):
+    """The request body is larger than --max-request-bytes."""
+
+    status = "RESOURCE_EXHAUSTED"
+
+
+_INFER_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": "V2 inference request: JSON, or (binary tensor extension) a JSON header of "
+                       f"`{HEADER}` bytes followed by raw little-endian tensors.",
+        "content": {
+            "application/json": {
+                "schema": {"type": "object"},
+                "examples": {
+                    "json": {"summary": "two sequences, the second 1 step long", "value": {
+                        "inputs": [
+                            {"name": "input", "datatype": "FP32", "shape": [2, 2, 3],
+                             "data": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0, 0, 0]},
+                            {"name": "lengths", "datatype": "INT32", "shape": [2], "data": [2, 1]}],
+                        "outputs": [{"name": "output_last"}]}},
+                },
+            },
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+}
+
+
+def error_response(exc: RNNServeError) -> JSONResponse:
+    """The one way an error leaves the REST transport."""
+    code = STATUS_TABLE.get(exc.status, STATUS_TABLE["INTERNAL"])[0]
+    return JSONResponse({"error": exc.message}, status_code=code)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise RequestTooLarge(f"request body of {declared} bytes is larger than the limit of {limit} bytes "
+                              f"(--max-request-bytes); send fewer or shorter sequences")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestTooLarge(f"request body is larger than the limit of {limit} bytes (--max-request-bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1024) -> FastAPI:
+    """Build the FastAPI app serving ``dataplane`` (no global state; one app per server)."""
+    app = FastAPI(
+        title="rnnserve",
+        version=__version__,
+        description="LSTM, GRU and RNN inference over the Open Inference Protocol (KServe V2 / Triton), "
+                    "plus a simple ragged-JSON `/v1/models/{model}:predict`.",
+    )
+
+    @app.exception_handler(RNNServeError)
+    async def _rnnserve_error(_: Request, exc: RNNServeError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
+        return error_response(InvalidInput(f"invalid request body: {problems}"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
+
+    # ---- health and metadata --------------------------------------------------------------------------
+
+    @app.get("/v2/health/live", tags=["health"], summary="Server liveness")
+    async def live() -> JSONResponse:
+        ok = dataplane.live()
+        return JSONResponse({"live": ok}, status_code=200 if ok else 503)
+
+    @app.get("/v2/health/ready", tags=["health"], summary="Server readiness (every loadable model is ready)")
+    async def ready() -> JSONResponse:
+        ok = dataplane.ready()
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    @app.get("/v2", tags=["metadata"], summary="Server metadata")
+    async def server_metadata() -> dict:
+        return dataplane.server_metadata()
+
+    @app.get("/v2/models/{model}", tags=["metadata"], summary="Model metadata (latest ready version)")
+    @app.get("/v2/models/{model}/versions/{version}", tags=["metadata"], summary="Model metadata")
+    async def model_metadata(model: str, version: str = "") -> dict:
+        return dataplane.model_metadata(model, version)
+
+    @app.get("/v2/models/{model}/ready", tags=["health"], summary="Model readiness")
+    @app.get("/v2/models/{model}/versions/{version}/ready", tags=["health"], summary="Model version readiness")
+    async def model_ready(model: str, version: str = "") -> JSONResponse:
+        ok = dataplane.model_ready(model, version)
+        return JSONResponse({"name": model, "version": version, "ready": ok}, status_code=200 if ok else 503)
+
+    # ---- inference -------------------------------------------------------------------------------------------
+
+    @app.post("/v2/models/{model}/infer", tags=["inference"], summary="Infer (latest ready version)",
+              openapi_extra=_INFER_BODY)
+    @app.post("/v2/models/{model}/versions/{version}/infer", tags=["inference"], summary="Infer",
+              openapi_extra=_INFER_BODY)
+    async def infer(model: str, request: Request, version: str = "") -> Response:
+        body = decompress(await _read_body(request, max_request_bytes), request.headers.get("content-encoding"))
+        header = request.headers.get(HEADER)
+        if len(body) > _OFFLOAD_BYTES:
+            req = await run_in_threadpool(decode_request, body, header, model, version)
+        else:
+            req = decode_request(body, header, model, version)
+        resp = await dataplane.infer(req)
+        if sum(t.data.size for t in resp.outputs) > _OFFLOAD_VALUES:
+            content, headers = await run_in_threadpool(encode_response, resp, req.parameters)
+        else:
+            content, headers = encode_response(resp, req.parameters)
+        return Response(content, headers=headers)
+
+    @app.post("/v1/models/{model}:predict", tags=["inference"], response_model=PredictResponse,
+              summary="Predict on ragged sequences (simple JSON)")
+    async def predict(model: str, body: PredictRequest) -> dict[str, Any]:
+        """Run each instance (a list of feature vectors, any length) and return its outputs.
+
+        `output_last` is the output at the sequence's last step (many-to-one); `output` has
+        one row per step of that instance.
+        """
+        req = to_infer_request(model, body)
+        resp = await dataplane.infer(req)
+        return to_predictions(resp, [len(s) for s in body.instances])
+
+    # ---- repository extension ---------------------------------------------------------------------------------
+
+    @app.post("/v2/repository/index", tags=["repository"], summary="List models, versions and states")
+    async def repository_index(request: Request) -> list[dict]:
+        doc = await _json_or_empty(request)
+        return dataplane.repository_index(bool(doc.get("ready", False)))
+
+    @app.post("/v2/repository/models/{model}/load", tags=["repository"], summary="Load or reload a model")
+    async def load(model: str, request: Request) -> dict:
+        await _json_or_empty(request)
+        await dataplane.load_model(model)
+        return {}
+
+    @app.post("/v2/repository/models/{model}/unload", tags=["repository"], summary="Unload a model")
+    async def unload(model: str, request: Request) -> dict:
+        await _json_or_empty(request)
+        await dataplane.unload_model(model)
+        return {}
+
+    @app.get("/metrics", tags=["metrics"], summary="Prometheus metrics")
+    async def metrics() -> Response:
+        return Response(dataplane.metrics.render(), media_type=dataplane.metrics.content_type)
+
+    return app
+
+
+async def _json_or_empty(request: Request) -> dict:
+    body = await request.body()
+    if not body.strip():
+        return {}
+    try:
+        doc = json.loads(body)
+    except ValueError as exc:
+        raise InvalidInput(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise InvalidInput("request body must be a JSON object")
+    return doc

@@ -1,0 +1,152 @@
+"""V2 REST wire format <-> protocol types: JSON tensors and the binary tensor extension.
+
+Binary extension (what ``tritonclient.http`` sends by default): the body is a JSON
+header of ``Inference-Header-Content-Length`` bytes followed by the raw
+little-endian tensors of every input whose parameters hold ``binary_data_size``, in
+input order. An output is returned raw when its parameters say ``binary_data:
+true``, or when the request's parameters say ``binary_data_output: true`` and the
+output does not say otherwise; the response then carries the same header and is
+``application/octet-stream``.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import zlib
+from typing import Any
+
+import numpy as np
+
+from ...dataplane.types import InferRequest, InferResponse, InferTensor, RequestedOutput, numpy_dtype
+from ...errors import InvalidInput
+
+HEADER = "Inference-Header-Content-Length"
+
+
+def decompress(body: bytes, encoding: str | None) -> bytes:
+    """Undo a request ``Content-Encoding`` of gzip or deflate (tritonclient's request compression)."""
+    if not encoding or encoding == "identity":
+        return body
+    try:
+        if encoding == "gzip":
+            return gzip.decompress(body)
+        if encoding == "deflate":
+            return zlib.decompress(body)
+    except (OSError, zlib.error) as exc:
+        raise InvalidInput(f"request body is not valid {encoding} data: {exc}") from exc
+    raise InvalidInput(f"Content-Encoding '{encoding}' is not supported; use gzip, deflate or none")
+
+
+def decode_request(body: bytes, header_length: str | None, model: str, version: str) -> InferRequest:
+    """Parse a V2 infer request body (JSON, or JSON header + binary tensors)."""
+    if header_length is not None:
+        try:
+            n = int(header_length)
+        except ValueError:
+            raise InvalidInput(f"header {HEADER} must be an integer, got '{header_length}'") from None
+        if not 0 <= n <= len(body):
+            raise InvalidInput(f"header {HEADER} is {n} but the body has only {len(body)} bytes")
+        head, binary = body[:n], memoryview(body)[n:]
+    else:
+        head, binary = body, memoryview(b"")
+    try:
+        doc = json.loads(head)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise InvalidInput("request body must be a JSON object with an 'inputs' list")
+    raw_inputs = doc.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise InvalidInput("request needs a non-empty 'inputs' list, e.g. "
+                           '{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 2, 3], "data": [...]}]}')
+    offset = 0
+    inputs = []
+    for item in raw_inputs:
+        tensor, used = _decode_input(item, binary, offset)
+        offset += used
+        inputs.append(tensor)
+    if offset != len(binary):
+        raise InvalidInput(f"the body holds {len(binary) - offset} bytes of binary data that no input claims "
+                           f"(check each input's binary_data_size)")
+    outputs = None
+    if doc.get("outputs") is not None:
+        if not isinstance(doc["outputs"], list):
+            raise InvalidInput("'outputs' must be a list of {\"name\": ...} objects")
+        outputs = []
+        for o in doc["outputs"]:
+            if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+                raise InvalidInput("each entry of 'outputs' needs a 'name' string")
+            outputs.append(RequestedOutput(o["name"], _params(o, f"output '{o['name']}'")))
+    return InferRequest(model, version, str(doc.get("id", "") or ""), inputs, outputs, _params(doc, "request"))
+
+
+def _params(obj: dict, where: str) -> dict[str, Any]:
+    params = obj.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise InvalidInput(f"{where} 'parameters' must be a JSON object")
+    return params
+
+
+def _decode_input(item: Any, binary: memoryview, offset: int) -> tuple[InferTensor, int]:
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        raise InvalidInput("each input needs a 'name' string, a 'datatype', a 'shape' and 'data'")
+    name = item["name"]
+    datatype = item.get("datatype")
+    if not isinstance(datatype, str):
+        raise InvalidInput(f"input '{name}' needs a 'datatype' string such as \"FP32\"")
+    dtype = numpy_dtype(datatype)
+    shape = item.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                              for s in shape):
+        raise InvalidInput(f"input '{name}' needs a 'shape' list of non-negative integers, got {shape!r}")
+    count = math.prod(shape)
+    params = _params(item, f"input '{name}'")
+    size = params.get("binary_data_size")
+    if size is not None:
+        need = count * dtype.itemsize
+        if not isinstance(size, int) or size != need:
+            raise InvalidInput(f"input '{name}' has binary_data_size {size!r} but shape {shape} of {datatype} "
+                               f"needs {need} bytes")
+        if offset + size > len(binary):
+            raise InvalidInput(f"input '{name}' needs {size} bytes of binary data but only "
+                               f"{len(binary) - offset} remain in the body")
+        arr = np.frombuffer(binary[offset:offset + size], dtype=dtype.newbyteorder("<")).reshape(shape)
+        return InferTensor(name, datatype, shape, arr, params), size
+    if "data" not in item:
+        raise InvalidInput(f"input '{name}' has neither 'data' nor a binary_data_size parameter")
+    try:
+        arr = np.asarray(item["data"], dtype=dtype)
+    except (ValueError, TypeError) as exc:
+        raise InvalidInput(f"input '{name}' data cannot be read as {datatype} (nested lists must be "
+                           f"rectangular numbers): {exc}") from exc
+    if arr.size != count:
+        raise InvalidInput(f"input '{name}' has {arr.size} values but shape {shape} needs {count}")
+    return InferTensor(name, datatype, shape, arr.reshape(shape), params), 0
+
+
+def encode_response(response: InferResponse, request_parameters: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
+    """Body and headers of a V2 infer response; binary outputs follow the JSON header."""
+    default_binary = bool(request_parameters.get("binary_data_output", False))
+    outputs = []
+    blobs: list[bytes] = []
+    for t in response.outputs:
+        binary = bool(t.parameters.get("binary_data", default_binary))
+        entry: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
+        if binary:
+            raw = np.ascontiguousarray(t.data, dtype=t.data.dtype.newbyteorder("<")).tobytes()
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            blobs.append(raw)
+        else:
+            entry["data"] = np.asarray(t.data).ravel().tolist()
+        outputs.append(entry)
+    doc: dict[str, Any] = {"model_name": response.model_name, "model_version": response.model_version}
+    if response.id:
+        doc["id"] = response.id
+    if response.parameters:
+        doc["parameters"] = response.parameters
+    doc["outputs"] = outputs
+    head = json.dumps(doc, separators=(",", ":")).encode()
+    if not blobs:
+        return head, {"content-type": "application/json"}
+    return head + b"".join(blobs), {"content-type": "application/octet-stream", HEADER: str(len(head))}

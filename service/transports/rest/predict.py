@@ -1,0 +1,82 @@
+"""`POST /v1/models/{model}:predict`: ragged JSON instances for curl users.
+
+Each instance is one sequence, a list of feature vectors of its own length; no
+padding on the client. The server pads them into one batch with per-sequence
+lengths (one request, batched with everyone else's) and trims each ``output``
+back to its own length.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from ...dataplane.types import InferRequest, InferResponse, InferTensor, RequestedOutput
+from ...errors import InvalidInput
+
+PredictOutput = Literal["output", "output_last", "h_n", "c_n"]
+
+
+class PredictRequest(BaseModel):
+    """Sequences to run, each a list of feature vectors (lengths may differ)."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"instances": [[[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]], [[0.7, 0.8, 0.9]]]},
+        {"instances": [[[0.1, 0.2, 0.3]]], "outputs": ["output_last", "h_n"]},
+    ]})
+
+    instances: list[list[list[float]]] = Field(
+        ..., description="One entry per sequence: a list of time steps, each a list of the model's input features.")
+    outputs: list[PredictOutput] | None = Field(
+        None, description="Outputs to return per instance; default output_last and output.")
+
+
+class PredictResponse(BaseModel):
+    """One prediction per instance, in order."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"predictions": [{"output_last": [0.12, -0.3], "output": [[0.05, -0.1], [0.12, -0.3]]},
+                         {"output_last": [0.2, 0.01], "output": [[0.2, 0.01]]}]},
+    ]})
+
+    predictions: list[dict[str, Any]] = Field(
+        ..., description="Per instance: output_last [D*Ho], output [its length, D*Ho], and h_n/c_n if asked.")
+
+
+def to_infer_request(model: str, body: PredictRequest) -> InferRequest:
+    """Pad the instances into one V2 request with a lengths input."""
+    if not body.instances:
+        raise InvalidInput("'instances' is empty; send at least one sequence")
+    lengths = []
+    width = None
+    for i, seq in enumerate(body.instances):
+        if not seq:
+            raise InvalidInput(f"instances[{i}] has no time steps; every sequence needs at least one")
+        for t, step in enumerate(seq):
+            if width is None:
+                width = len(step)
+            if len(step) != width:
+                raise InvalidInput(f"instances[{i}][{t}] has {len(step)} features but instances[0][0] has {width}; "
+                                   f"every time step needs the same number of features")
+        lengths.append(len(seq))
+    t_max = max(lengths)
+    x = np.zeros((len(lengths), t_max, width or 0), dtype=np.float32)
+    for i, seq in enumerate(body.instances):
+        x[i, :lengths[i]] = np.asarray(seq, dtype=np.float32)
+    lens = np.asarray(lengths, dtype=np.int64)
+    outputs = [RequestedOutput(n) for n in (body.outputs or ["output_last", "output"])]
+    return InferRequest(model, "", "", [
+        InferTensor("input", "FP32", list(x.shape), x),
+        InferTensor("lengths", "INT64", [len(lengths)], lens),
+    ], outputs)
+
+
+def to_predictions(response: InferResponse, lengths: list[int]) -> dict[str, Any]:
+    """Split the batched response per instance, trimming ``output`` to each instance's length."""
+    preds: list[dict[str, Any]] = [{} for _ in lengths]
+    for t in response.outputs:
+        for i, n in enumerate(lengths):
+            row = t.data[i]
+            preds[i][t.name] = (row[:n] if t.name == "output" else row).tolist()
+    return {"predictions": preds}

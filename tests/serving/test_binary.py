@@ -1,0 +1,124 @@
+"""The binary tensor extension, with bodies built by hand and by tritonclient.http itself."""
+from __future__ import annotations
+
+import gzip
+import json
+import struct
+
+import numpy as np
+import pytest
+import tritonclient.http as th
+
+from service import create_engine
+from service.repository import load_model
+from serving_support import rest_client
+
+pytestmark = pytest.mark.asyncio
+HEADER = "Inference-Header-Content-Length"
+
+
+def _split(resp) -> tuple[dict, bytes]:
+    n = int(resp.headers[HEADER])
+    return json.loads(resp.content[:n]), resp.content[n:]
+
+
+async def test_hand_built_binary_request_and_response(repo):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 5, 4)).astype(np.float32)
+    lengths = np.array([5, 2], dtype=np.int32)
+    expected = create_engine(load_model(repo / "lstm"), "cpu").forward(x, lengths)
+    head = json.dumps({
+        "inputs": [
+            {"name": "input", "datatype": "FP32", "shape": [2, 5, 4], "parameters": {"binary_data_size": x.nbytes}},
+            {"name": "lengths", "datatype": "INT32", "shape": [2], "parameters": {"binary_data_size": 8}},
+        ],
+        "outputs": [{"name": "output_last", "parameters": {"binary_data": True}}, {"name": "h_n"}],
+    }).encode()
+    body = head + x.tobytes() + lengths.tobytes()
+    async with rest_client(repo) as (client, _):
+        r = await client.post("/v2/models/lstm/infer", content=body, headers={HEADER: str(len(head))})
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"] == "application/octet-stream"
+        doc, raw = _split(r)
+        last, h_n = doc["outputs"]
+        assert last["parameters"] == {"binary_data_size": 2 * 8 * 4} and "data" not in last
+        got_last = np.frombuffer(raw, dtype="<f4").reshape(last["shape"])
+        np.testing.assert_allclose(got_last, expected.output[[0, 1], [4, 1]], atol=1e-5)
+        np.testing.assert_allclose(np.asarray(h_n["data"]).reshape(h_n["shape"]), expected.h_n, atol=1e-5)
+
+        # request-level binary_data_output, with an output opting out
+        doc_all = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [2, 5, 4],
+                                          "parameters": {"binary_data_size": x.nbytes}}],
+                              "outputs": [{"name": "h_n"}, {"name": "c_n", "parameters": {"binary_data": False}}],
+                              "parameters": {"binary_data_output": True}}).encode()
+        r = await client.post("/v2/models/lstm/infer", content=doc_all + x.tobytes(), headers={HEADER: str(len(doc_all))})
+        doc, raw = _split(r)
+        assert "data" not in doc["outputs"][0] and "data" in doc["outputs"][1]
+        assert len(raw) == doc["outputs"][0]["parameters"]["binary_data_size"]
+
+        # gzip-compressed request body (tritonclient's request_compression_algorithm)
+        r = await client.post("/v2/models/lstm/infer", content=gzip.compress(body),
+                              headers={HEADER: str(len(head)), "Content-Encoding": "gzip"})
+        assert r.status_code == 200
+
+
+@pytest.mark.parametrize("inputs_json, binary, header, message", [
+    ([{"name": "input", "datatype": "FP32", "shape": [1, 2, 4], "parameters": {"binary_data_size": 16}}],
+     b"\0" * 16, None, "binary_data_size 16 but shape [1, 2, 4] of FP32 needs 32 bytes"),
+    ([{"name": "input", "datatype": "FP32", "shape": [1, 2, 4], "parameters": {"binary_data_size": 32}}],
+     b"\0" * 20, None, "needs 32 bytes of binary data but only 20 remain"),
+    ([{"name": "input", "datatype": "FP32", "shape": [1, 2, 4], "parameters": {"binary_data_size": 32}}],
+     b"\0" * 40, None, "8 bytes of binary data that no input claims"),
+    ([{"name": "input", "datatype": "FP32", "shape": [1, 2, 4]}], b"", None, "has neither 'data' nor a binary_data_size"),
+    ([{"name": "input", "datatype": "FP32", "shape": [1, 2, 4], "parameters": {"binary_data_size": 32}}],
+     b"\0" * 32, "abc", f"header {HEADER} must be an integer"),
+    ([{"name": "input", "datatype": "FP32", "shape": [1, 2, 4], "parameters": {"binary_data_size": 32}}],
+     b"\0" * 32, "100000", f"header {HEADER} is 100000 but the body has only"),
+])
+async def test_bad_binary_requests(repo, inputs_json, binary, header, message):
+    head = json.dumps({"inputs": inputs_json}).encode()
+    async with rest_client(repo) as (client, _):
+        r = await client.post("/v2/models/lstm/infer", content=head + binary,
+                              headers={HEADER: header or str(len(head))})
+        assert r.status_code == 400 and message in r.json()["error"], r.text
+        assert (await client.get("/v2/health/live")).status_code == 200
+
+
+@pytest.mark.parametrize("binary", [True, False])
+async def test_tritonclient_generated_bodies(repo, binary):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 7, 4)).astype(np.float16)
+    lengths = np.array([7, 1, 4], dtype=np.int64)
+    expected = create_engine(load_model(repo / "gru_bi"), "cpu").forward(x.astype(np.float32), lengths)
+    inp = th.InferInput("input", list(x.shape), "FP16")
+    inp.set_data_from_numpy(x, binary_data=binary)
+    lens = th.InferInput("lengths", [3], "INT64")
+    lens.set_data_from_numpy(lengths, binary_data=binary)
+    outputs = [th.InferRequestedOutput(n, binary_data=binary) for n in ("output", "h_n")]
+    body, json_size = th.InferenceServerClient.generate_request_body([inp, lens], outputs=outputs, request_id="t")
+    headers = {} if json_size is None else {HEADER: str(json_size)}
+    async with rest_client(repo) as (client, _):
+        r = await client.post("/v2/models/gru_bi/infer", content=body, headers=headers)
+        assert r.status_code == 200, r.text
+        n = r.headers.get(HEADER)
+        result = th.InferenceServerClient.parse_response_body(r.content, header_length=None if n is None else int(n))
+        assert result.get_response()["id"] == "t"
+        np.testing.assert_allclose(result.as_numpy("output"), expected.output, atol=1e-5)
+        np.testing.assert_allclose(result.as_numpy("h_n"), expected.h_n, atol=1e-5)
+        assert result.as_numpy("output").dtype == np.float32
+        assert (n is not None) == binary
+
+        # no outputs listed: tritonclient asks for every output in binary
+        body, json_size = th.InferenceServerClient.generate_request_body([inp])
+        r = await client.post("/v2/models/gru_bi/infer", content=body,
+                              headers={} if json_size is None else {HEADER: str(json_size)})
+        result = th.InferenceServerClient.parse_response_body(r.content, header_length=int(r.headers[HEADER]))
+        assert [o["name"] for o in result.get_response()["outputs"]] == ["output", "output_last", "h_n"]
+
+
+async def test_struct_layout_matches_tritonclient():
+    """The binary body is the JSON header immediately followed by raw tensors, as tritonclient packs it."""
+    inp = th.InferInput("input", [1, 1, 4], "FP32")
+    inp.set_data_from_numpy(np.arange(4, dtype=np.float32).reshape(1, 1, 4))
+    body, json_size = th.InferenceServerClient.generate_request_body([inp])
+    assert body[json_size:] == struct.pack("<4f", 0, 1, 2, 3)

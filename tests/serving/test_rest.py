@@ -1,0 +1,334 @@
+"""REST transport over the real dataplane, in process (httpx.ASGITransport): every route and error."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from service import create_engine
+from service.repository import load_model
+
+from serving_support import LSTM, make_model, rest_client, write_config
+
+pytestmark = pytest.mark.asyncio
+
+
+def _infer_body(x, lengths=None, outputs=None, **params):
+    inputs = [{"name": "input", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}]
+    if lengths is not None:
+        inputs.append({"name": "lengths", "datatype": "INT32", "shape": [len(lengths)], "data": list(map(int, lengths))})
+    body = {"inputs": inputs}
+    if outputs is not None:
+        body["outputs"] = [{"name": o} for o in outputs]
+    if params:
+        body["parameters"] = params
+    return body
+
+
+def _outputs(resp) -> dict[str, np.ndarray]:
+    doc = resp.json()
+    return {o["name"]: np.asarray(o["data"], dtype=np.float32).reshape(o["shape"]) for o in doc["outputs"]}
+
+
+def _engine(repo, name):
+    return create_engine(load_model(repo / name), "cpu")
+
+
+async def test_health_and_server_metadata(repo):
+    async with rest_client(repo) as (client, _):
+        assert (await client.get("/v2/health/live")).json() == {"live": True}
+        r = await client.get("/v2/health/ready")
+        assert r.status_code == 200 and r.json() == {"ready": True}
+        meta = (await client.get("/v2")).json()
+        assert meta["name"] == "rnnserve" and "binary_tensor_data" in meta["extensions"]
+        assert "model_repository" in meta["extensions"]
+
+
+async def test_model_metadata_and_readiness(repo):
+    async with rest_client(repo) as (client, _):
+        meta = (await client.get("/v2/models/lstm")).json()
+        assert meta["name"] == "lstm" and meta["versions"] == ["1"] and meta["platform"] == "rnnserve_reference"
+        assert meta["inputs"] == [
+            {"name": "input", "datatype": "FP32", "shape": [-1, -1, 4]},
+            {"name": "lengths", "datatype": "INT32", "shape": [-1]},
+            {"name": "h_0", "datatype": "FP32", "shape": [-1, 2, 8]},
+            {"name": "c_0", "datatype": "FP32", "shape": [-1, 2, 8]},
+        ]
+        assert [o["name"] for o in meta["outputs"]] == ["output", "output_last", "h_n", "c_n"]
+        assert meta["outputs"][0]["shape"] == [-1, -1, 8]
+        gru = (await client.get("/v2/models/gru_bi/versions/1")).json()
+        assert [i["name"] for i in gru["inputs"]] == ["input", "lengths", "h_0"]
+        assert gru["outputs"][1] == {"name": "output_last", "datatype": "FP32", "shape": [-1, 12]}
+        for path in ("/v2/models/lstm/ready", "/v2/models/lstm/versions/1/ready"):
+            r = await client.get(path)
+            assert r.status_code == 200 and r.json()["ready"] is True
+
+
+@pytest.mark.parametrize("path, message", [
+    ("/v2/models/nope", "unknown model 'nope'; the repository has gru_bi, lstm"),
+    ("/v2/models/nope/ready", "unknown model 'nope'"),
+    ("/v2/models/lstm/versions/7", "model 'lstm' has no version '7' (served versions: 1)"),
+    ("/v2/models/lstm/versions/x/ready", "model 'lstm' has no version 'x'"),
+])
+async def test_metadata_not_found(repo, path, message):
+    async with rest_client(repo) as (client, _):
+        r = await client.get(path)
+        assert r.status_code == 404 and message in r.json()["error"]
+
+
+async def test_unknown_route_is_json_404(repo):
+    async with rest_client(repo) as (client, _):
+        r = await client.get("/v2/nothing/here")
+        assert r.status_code == 404 and "error" in r.json()
+
+
+async def test_json_infer_matches_engine(repo):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 6, 4)).astype(np.float32)
+    lengths = np.array([6, 2, 4])
+    expected = _engine(repo, "lstm").forward(x, lengths)
+    async with rest_client(repo) as (client, _):
+        r = await client.post("/v2/models/lstm/infer", json={"id": "r1", **_infer_body(x, lengths)})
+        assert r.status_code == 200, r.text
+        doc = r.json()
+        assert doc["model_name"] == "lstm" and doc["model_version"] == "1" and doc["id"] == "r1"
+        got = _outputs(r)
+        assert list(got) == ["output", "output_last", "h_n", "c_n"]
+        assert all(o["datatype"] == "FP32" for o in doc["outputs"])
+        np.testing.assert_allclose(got["output"], expected.output, atol=1e-5)
+        np.testing.assert_allclose(got["h_n"], expected.h_n, atol=1e-5)
+        np.testing.assert_allclose(got["c_n"], expected.c_n, atol=1e-5)
+        np.testing.assert_allclose(got["output_last"], expected.output[np.arange(3), lengths - 1], atol=1e-5)
+        assert np.all(got["output"][1, 2:] == 0)
+
+        # nested data, a version in the path, FP64 input, only the requested output
+        nested = {"inputs": [{"name": "input", "datatype": "FP64", "shape": [3, 6, 4], "data": x.tolist()},
+                             {"name": "lengths", "datatype": "INT64", "shape": [3], "data": lengths.tolist()}],
+                  "outputs": [{"name": "h_n"}]}
+        r = await client.post("/v2/models/lstm/versions/1/infer", json=nested)
+        got = _outputs(r)
+        assert list(got) == ["h_n"]
+        np.testing.assert_allclose(got["h_n"], expected.h_n, atol=1e-5)
+
+
+async def test_state_inputs_and_bidirectional_output_last(repo):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 5, 4)).astype(np.float32)
+    lengths = np.array([3, 5])
+    h0 = rng.standard_normal((2, 2, 6)).astype(np.float32)
+    expected = _engine(repo, "gru_bi").forward(x, lengths, h0)
+    body = _infer_body(x, lengths)
+    body["inputs"].append({"name": "h_0", "datatype": "FP32", "shape": [2, 2, 6], "data": h0.ravel().tolist()})
+    async with rest_client(repo) as (client, _):
+        got = _outputs(await client.post("/v2/models/gru_bi/infer", json=body))
+    np.testing.assert_allclose(got["output"], expected.output, atol=1e-5)
+    np.testing.assert_allclose(got["h_n"], expected.h_n, atol=1e-5)
+    for b, n in enumerate(lengths):  # forward half at the last valid step, reverse half at step 0
+        np.testing.assert_allclose(got["output_last"][b, :6], expected.output[b, n - 1, :6], atol=1e-5)
+        np.testing.assert_allclose(got["output_last"][b, 6:], expected.output[b, 0, 6:], atol=1e-5)
+
+
+X = np.zeros((1, 2, 4)).ravel().tolist()
+
+
+def _inp(name="input", datatype="FP32", shape=(1, 2, 4), data=None):
+    return {"name": name, "datatype": datatype, "shape": list(shape), "data": X if data is None else data}
+
+
+BAD = [
+    ("nope", {"inputs": [_inp()]}, 404, "unknown model 'nope'"),
+    ("lstm", {"inputs": [_inp(shape=(1, 2, 3), data=[0] * 6)]}, 400, "input 'input' has 3 features, model 'lstm' expects 4"),
+    ("lstm", {"inputs": [_inp(name="x")]}, 400, "unknown input 'x' for model 'lstm'; its inputs are input, lengths, h_0, c_0"),
+    ("lstm", {"inputs": [_inp("lengths", "INT32", (1,), [2])]}, 400, "input 'input' is missing"),
+    ("lstm", {"inputs": [_inp(datatype="INT32")]}, 400, "input 'input' has datatype INT32; send FP32, FP16, FP64"),
+    ("lstm", {"inputs": [_inp(datatype="BF17")]}, 400, "datatype 'BF17' is not supported"),
+    ("lstm", {"inputs": [_inp(shape=(1, 8), data=[0] * 8)]}, 400, "must have 3 dimensions"),
+    ("lstm", {"inputs": [_inp(shape=(0, 2, 4), data=[])]}, 400, "empty batch"),
+    ("lstm", {"inputs": [_inp(shape=(1, 0, 4), data=[])]}, 400, "0 time steps"),
+    ("lstm", {"inputs": [_inp(shape=(1, 2, 4), data=[0] * 7)]}, 400, "input 'input' has 7 values but shape [1, 2, 4] needs 8"),
+    ("lstm", {"inputs": [_inp(data=[[0, 1], [2]])]}, 400, "cannot be read as FP32"),
+    ("lstm", {"inputs": [_inp(data=[float("nan")] + [0] * 7)]}, 400, "contains NaN or infinite values (first at index [0, 0, 0])"),
+    ("lstm", {"inputs": [_inp(), _inp("lengths", "INT32", (1,), [3])]}, 400, "lengths[0] = 3 is out of range: every length must be between 1 and T = 2"),
+    ("lstm", {"inputs": [_inp(), _inp("lengths", "INT32", (1,), [0])]}, 400, "lengths[0] = 0 is out of range"),
+    ("lstm", {"inputs": [_inp(), _inp("lengths", "FP32", (1,), [1])]}, 400, "input 'lengths' has datatype FP32; send INT32 or INT64"),
+    ("lstm", {"inputs": [_inp(), _inp("lengths", "INT32", (2,), [1, 1])]}, 400, "input 'lengths' must have shape [1]"),
+    ("lstm", {"inputs": [_inp(), _inp("h_0", "FP32", (1, 1, 8), [0] * 8)]}, 400, "input 'h_0' must have shape [1, 2, 8]"),
+    ("gru_bi", {"inputs": [_inp(), _inp("c_0", "FP32", (1, 2, 6), [0] * 12)]}, 400, "unknown input 'c_0' for model 'gru_bi' (this model has no cell state)"),
+    ("lstm", {"inputs": [_inp(), _inp()]}, 400, "input 'input' is given twice"),
+    ("lstm", {"inputs": [_inp()], "outputs": [{"name": "logits"}]}, 400, "unknown output 'logits' for model 'lstm'; its outputs are output, output_last, h_n, c_n"),
+    ("lstm", {"inputs": []}, 400, "request needs a non-empty 'inputs' list"),
+    ("lstm", {"inputs": [_inp()], "parameters": {"sequence_id": 42}}, 404, "stream 42 of model 'lstm' is not live"),
+    ("lstm", {"inputs": [_inp(shape=(2, 1, 4))], "parameters": {"sequence_id": 1, "sequence_start": True}}, 400,
+     "a stream request carries one sequence (batch 1), got batch 2"),
+    ("lstm", {"inputs": [_inp(), _inp("h_0", "FP32", (1, 2, 8), [0] * 16)],
+              "parameters": {"sequence_id": "a", "sequence_start": True}}, 400, "input 'h_0' cannot be sent with sequence_id"),
+    ("lstm", {"inputs": [_inp()], "parameters": {"sequence_id": True}}, 400, "'sequence_id' must be a uint64 or a string"),
+    ("lstm", {"inputs": [_inp()], "parameters": {"sequence_start": True}}, 400, "sequence_start/sequence_end need a non-zero"),
+    ("lstm", {"inputs": [_inp()], "parameters": {"sequence_id": 3, "sequence_end": "yes"}}, 400, "'sequence_end' must be true or false"),
+    ("lstm", {"inputs": [_inp()], "parameters": {"timeout": "soon"}}, 400, "parameter 'timeout' must be a number of microseconds"),
+    ("lstm", {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, -2, 4], "data": X}]}, 400, "'shape' list of non-negative integers"),
+]
+
+
+@pytest.mark.parametrize("model, body, status, message", BAD, ids=[b[3][:40] for b in BAD])
+async def test_bad_requests(repo, model, body, status, message):
+    async with rest_client(repo) as (client, _):
+        r = await client.post(f"/v2/models/{model}/infer", content=json.dumps(body).encode())  # allows NaN
+        assert r.status_code == status, r.text
+        assert message in r.json()["error"]
+        assert (await client.get("/v2/health/live")).status_code == 200
+        ok = await client.post("/v2/models/lstm/infer", json={"inputs": [_inp()]})
+        assert ok.status_code == 200
+
+
+async def test_malformed_bodies(repo):
+    async with rest_client(repo, max_request_bytes=4096) as (client, _):
+        r = await client.post("/v2/models/lstm/infer", content=b"{not json")
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
+        r = await client.post("/v2/models/lstm/infer", content=b"x" * 5000)
+        assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]
+        r = await client.post("/v2/models/lstm/versions/9/infer", json={"inputs": [_inp()]})
+        assert r.status_code == 404 and "has no version '9'" in r.json()["error"]
+
+
+async def test_max_sequence_length(repo):
+    write_config(repo, "lstm", max_sequence_length=3)
+    async with rest_client(repo) as (client, _):
+        body = {"inputs": [_inp(shape=(1, 4, 4), data=[0] * 16)]}
+        r = await client.post("/v2/models/lstm/infer", json=body)
+        assert r.status_code == 400 and "has 4 time steps, model 'lstm' accepts at most 3" in r.json()["error"]
+
+
+async def test_v1_predict_ragged(repo):
+    rng = np.random.default_rng(3)
+    seqs = [rng.standard_normal((n, 4)).astype(np.float32) for n in (5, 1, 3)]
+    engine = _engine(repo, "gru_bi")
+    async with rest_client(repo) as (client, _):
+        r = await client.post("/v1/models/gru_bi:predict", json={"instances": [s.tolist() for s in seqs]})
+        assert r.status_code == 200, r.text
+        preds = r.json()["predictions"]
+        assert len(preds) == 3
+        for seq, pred in zip(seqs, preds):
+            alone = engine.forward(seq[None])
+            assert np.asarray(pred["output"]).shape == (len(seq), 12)
+            np.testing.assert_allclose(pred["output"], alone.output[0], atol=1e-5)
+            np.testing.assert_allclose(pred["output_last"][:6], alone.output[0, -1, :6], atol=1e-5)
+            np.testing.assert_allclose(pred["output_last"][6:], alone.output[0, 0, 6:], atol=1e-5)
+        r = await client.post("/v1/models/lstm:predict", json={"instances": [seqs[0].tolist()], "outputs": ["h_n"]})
+        assert list(r.json()["predictions"][0]) == ["h_n"]
+
+        for body, message in [
+            ({"instances": []}, "'instances' is empty"),
+            ({"instances": [[]]}, "instances[0] has no time steps"),
+            ({"instances": [[[1, 2, 3, 4], [1, 2]]]}, "instances[0][1] has 2 features but instances[0][0] has 4"),
+            ({"instances": [[[1, 2, 3]]]}, "input 'input' has 3 features, model 'gru_bi' expects 4"),
+            ({"instances": "abc"}, "invalid request body: instances"),
+            ({"instances": [[[1, 2, 3, 4]]], "outputs": ["zzz"]}, "invalid request body: outputs"),
+        ]:
+            r = await client.post("/v1/models/gru_bi:predict", json=body)
+            assert r.status_code == 400 and message in r.json()["error"], (body, r.text)
+        r = await client.post("/v1/models/nope:predict", json={"instances": [[[1, 2, 3, 4]]]})
+        assert r.status_code == 404
+        docs = (await client.get("/openapi.json")).json()
+        assert "/v1/models/{model}:predict" in docs["paths"] and "/v2/models/{model}/infer" in docs["paths"]
+        assert (await client.get("/docs")).status_code == 200
+
+
+async def test_repository_index_load_unload(repo):
+    async with rest_client(repo) as (client, dataplane):
+        index = (await client.post("/v2/repository/index")).json()
+        assert index == [{"name": "gru_bi", "version": "1", "state": "READY", "reason": ""},
+                         {"name": "lstm", "version": "1", "state": "READY", "reason": ""}]
+        assert (await client.post("/v2/repository/models/lstm/unload", json={})).status_code == 200
+        index = (await client.post("/v2/repository/index", json={"ready": False})).json()
+        assert {"name": "lstm", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"} in index
+        assert [m["name"] for m in (await client.post("/v2/repository/index", json={"ready": True})).json()] == ["gru_bi"]
+        r = await client.get("/v2/models/lstm/ready")
+        assert r.status_code == 503 and r.json()["ready"] is False
+        r = await client.post("/v2/models/lstm/infer", json={"inputs": [_inp()]})
+        assert r.status_code == 503 and "model 'lstm' version 1 is not ready (state UNAVAILABLE: unloaded)" in r.json()["error"]
+        assert dataplane.ready()  # an unloaded model is not loadable, so the server stays ready
+
+        # a new version appears; load picks it up (version_policy latest)
+        make_model(*LSTM, seed=9).save(repo, "lstm", 2)
+        assert (await client.post("/v2/repository/models/lstm/load")).status_code == 200
+        meta = (await client.get("/v2/models/lstm")).json()
+        assert meta["versions"] == ["2"]
+        r = await client.post("/v2/models/lstm/infer", json={"inputs": [_inp()]})
+        assert r.status_code == 200 and r.json()["model_version"] == "2"
+
+        r = await client.post("/v2/repository/models/ghost/load")
+        assert r.status_code == 404 and "no model 'ghost'" in r.json()["error"]
+        r = await client.post("/v2/repository/models/ghost/unload")
+        assert r.status_code == 404
+        r = await client.post("/v2/repository/models/..%2E/load")
+        assert r.status_code == 400 and "is not a model name" in r.json()["error"]
+        r = await client.post("/v2/repository/index", content=b"[1]")
+        assert r.status_code == 400
+
+
+async def test_broken_models_do_not_stop_others(repo):
+    (repo / "empty").mkdir()
+    (repo / "badcfg").mkdir()
+    (repo / "badcfg" / "config.json").write_text('{"max_batch_sise": 3}')
+    (repo / "corrupt" / "1").mkdir(parents=True)
+    (repo / "corrupt" / "1" / "model.safetensors").write_bytes(b"\x01\x00")
+    async with rest_client(repo) as (client, dataplane):
+        assert dataplane.ready()
+        rows = {r["name"]: r for r in (await client.post("/v2/repository/index")).json()}
+        assert rows["lstm"]["state"] == "READY"
+        assert rows["empty"]["state"] == "UNAVAILABLE" and "has no version folder" in rows["empty"]["reason"]
+        assert rows["badcfg"]["state"] == "UNAVAILABLE" and "max_batch_sise" in rows["badcfg"]["reason"]
+        assert rows["corrupt"]["state"] == "UNAVAILABLE" and "truncated" in rows["corrupt"]["reason"]
+        r = await client.post("/v2/models/corrupt/infer", json={"inputs": [_inp()]})
+        assert r.status_code == 503 and "failed to load" in r.json()["error"]
+        r = await client.post("/v2/repository/models/badcfg/load")
+        assert r.status_code == 400 and "max_batch_sise" in r.json()["error"]
+        assert (await client.post("/v2/models/lstm/infer", json={"inputs": [_inp()]})).status_code == 200
+
+
+async def test_version_policy(repo):
+    for v in (2, 3):
+        make_model(*LSTM, seed=10 + v).save(repo, "lstm", v)
+    write_config(repo, "lstm", version_policy=[1, 3])
+    write_config(repo, "gru_bi", version_policy="all")
+    async with rest_client(repo) as (client, _):
+        index = [(r["name"], r["version"]) for r in (await client.post("/v2/repository/index")).json()]
+        assert index == [("gru_bi", "1"), ("lstm", "1"), ("lstm", "3")]
+        assert (await client.get("/v2/models/lstm")).json()["versions"] == ["1", "3"]
+        x = np.ones((1, 2, 4), np.float32)
+        r1 = _outputs(await client.post("/v2/models/lstm/versions/1/infer", json=_infer_body(x)))
+        r3 = _outputs(await client.post("/v2/models/lstm/infer", json=_infer_body(x)))
+        np.testing.assert_allclose(r1["h_n"], _engine(repo, "lstm/1").forward(x).h_n, atol=1e-5)
+        np.testing.assert_allclose(r3["h_n"], _engine(repo, "lstm/3").forward(x).h_n, atol=1e-5)
+        r = await client.post("/v2/models/lstm/versions/2/infer", json=_infer_body(x))
+        assert r.status_code == 404 and "served versions: 1, 3" in r.json()["error"]
+
+
+async def test_error_body_is_json_everywhere(repo):
+    async with rest_client(repo) as (client, _):
+        r = await client.post("/v2/models/lstm/infer", content=json.dumps({"inputs": [_inp()]}).encode(),
+                              headers={"Content-Encoding": "br"})
+        assert r.status_code == 400 and "Content-Encoding 'br' is not supported" in r.json()["error"]
+
+
+async def test_large_json_request_and_response(repo):
+    x = np.random.default_rng(4).standard_normal((2, 5000, 4)).astype(np.float32)
+    expected = _engine(repo, "lstm").forward(x)
+    body = json.dumps(_infer_body(x, outputs=["output", "h_n"])).encode()
+    assert len(body) > 256 * 1024
+    async with rest_client(repo) as (client, _):
+        r = await client.post("/v2/models/lstm/infer", content=body)
+        assert r.status_code == 200
+        got = _outputs(r)
+    np.testing.assert_allclose(got["output"], expected.output, atol=1e-4)
+
+
+async def test_model_ready_of_a_broken_folder_is_false(repo):
+    (repo / "empty").mkdir()
+    async with rest_client(repo) as (client, _):
+        r = await client.get("/v2/models/empty/ready")
+        assert r.status_code == 503 and r.json()["ready"] is False
+        r = await client.get("/v2/models/empty")
+        assert r.status_code == 503 and "has no version folder" in r.json()["error"]

@@ -1,0 +1,181 @@
+"""Scheduler: batching policy, backpressure, deadlines, failing batches, drain; and merge/split."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from service import create_engine
+from service.errors import DeadlineExceeded, RNNServeError, Unavailable
+from service.scheduler import Scheduler, SequenceWork, merge, output_last, split
+from serving_support import GRU_BI, LSTM, make_model
+
+pytestmark = pytest.mark.asyncio
+
+
+class GatedEngine:
+    """Wraps the reference engine; records each batch's lengths; can hold batches until released."""
+
+    def __init__(self, blocks=LSTM) -> None:
+        self.inner = create_engine(make_model(*blocks), "cpu")
+        self.spec = self.inner.spec
+        self.name = "gated"
+        self.batches: list[list[int]] = []
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def forward(self, x, lengths=None, h0=None, c0=None):
+        self.batches.append([int(n) for n in lengths])
+        self.entered.set()
+        self.gate.wait(10)
+        if np.any(x == 999):
+            raise ValueError("poisoned input")
+        return self.inner.forward(x, lengths, h0, c0)
+
+
+def _work(steps: int, batch: int = 1, seed: int = 0, fill: float | None = None) -> SequenceWork:
+    x = np.random.default_rng(seed).standard_normal((batch, steps, 4)).astype(np.float32)
+    if fill is not None:
+        x[:] = fill
+    return SequenceWork(x, np.full(batch, steps, dtype=np.int64))
+
+
+async def _hold(engine: GatedEngine, sched: Scheduler) -> asyncio.Task:
+    """Start a batch that stays in the engine until ``engine.gate`` is set."""
+    engine.gate.clear()
+    engine.entered.clear()
+    task = asyncio.create_task(sched.submit(_work(3)))
+    await asyncio.to_thread(engine.entered.wait, 5)
+    return task
+
+
+async def _scheduler(engine, **kw) -> Scheduler:
+    opts = dict(max_batch_size=4, max_queue_delay_us=1000, max_queue_size=100)
+    opts.update(kw)
+    sched = Scheduler(engine, "m", "1", **opts)
+    await sched.start()
+    return sched
+
+
+async def test_groups_waiting_requests_by_length():
+    engine = GatedEngine()
+    sched = await _scheduler(engine)
+    blocker = await _hold(engine, sched)
+    lengths = [10, 200, 12, 190, 11, 205, 9, 195]
+    tasks = [asyncio.create_task(sched.submit(_work(n, seed=n))) for n in lengths]
+    await asyncio.sleep(0.01)
+    assert sched.depth == 8
+    engine.gate.set()
+    await asyncio.gather(blocker, *tasks)
+    await sched.stop()
+    assert [sorted(b) for b in engine.batches[1:]] == [[9, 10, 11, 12], [190, 195, 200, 205]]
+
+
+async def test_batching_does_not_change_results():
+    engine = GatedEngine(GRU_BI)
+    sched = await _scheduler(engine, max_batch_size=64, max_queue_delay_us=20_000)
+    works = [_work(n, batch=1 + n % 3, seed=n) for n in range(1, 30)]
+    results = await asyncio.gather(*(sched.submit(w) for w in works))
+    await sched.stop()
+    assert max(len(b) for b in engine.batches) > 10
+    for w, res in zip(works, results):
+        alone = engine.inner.forward(w.x, w.lengths)
+        np.testing.assert_allclose(res["output"], alone.output, atol=1e-5)
+        np.testing.assert_allclose(res["h_n"], alone.h_n, atol=1e-5)
+        np.testing.assert_allclose(res["output_last"], output_last(engine.spec, alone.output, w.lengths), atol=1e-5)
+
+
+async def test_queue_full_is_unavailable_at_once():
+    engine = GatedEngine()
+    sched = await _scheduler(engine, max_queue_size=2)
+    blocker = await _hold(engine, sched)
+    waiting = [asyncio.create_task(sched.submit(_work(3))) for _ in range(2)]
+    await asyncio.sleep(0)
+    with pytest.raises(Unavailable, match=r"overloaded: 2 requests are waiting \(max_queue_size 2\)"):
+        await sched.submit(_work(3))
+    engine.gate.set()
+    await asyncio.gather(blocker, *waiting)
+    await sched.stop()
+
+
+async def test_deadline_in_queue():
+    engine = GatedEngine()
+    sched = await _scheduler(engine)
+    blocker = await _hold(engine, sched)
+    start = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="past its timeout"):
+        await sched.submit(_work(7), deadline=time.monotonic() + 0.02)
+    assert time.monotonic() - start < 1.0
+    with pytest.raises(DeadlineExceeded):
+        await sched.submit(_work(7), deadline=time.monotonic() - 1)
+    engine.gate.set()
+    await blocker
+    await sched.stop()
+    assert all(7 not in b for b in engine.batches)  # expired requests never run
+
+
+async def test_failing_batch_fails_only_its_requests():
+    engine = GatedEngine()
+    sched = await _scheduler(engine, max_queue_delay_us=0)
+    with pytest.raises(RNNServeError, match=r"model 'm' version 1 failed on a batch of 1 sequences: ValueError: poisoned"):
+        await sched.submit(_work(3, fill=999))
+    res = await sched.submit(_work(3))
+    assert res["output"].shape == (1, 3, 8)
+    await sched.stop()
+
+
+async def test_stop_drains_or_refuses():
+    engine = GatedEngine()
+    sched = await _scheduler(engine)
+    blocker = await _hold(engine, sched)
+    waiting = [asyncio.create_task(sched.submit(_work(5))) for _ in range(3)]
+    await asyncio.sleep(0)
+    stopping = asyncio.create_task(sched.stop(drain=True))
+    await asyncio.sleep(0.01)
+    with pytest.raises(Unavailable, match="not accepting requests"):
+        await sched.submit(_work(3))
+    engine.gate.set()
+    await stopping
+    await blocker
+    assert all(r["output"].shape == (1, 5, 8) for r in await asyncio.gather(*waiting))
+
+    engine2 = GatedEngine()
+    sched2 = await _scheduler(engine2)
+    blocker2 = await _hold(engine2, sched2)
+    queued = asyncio.create_task(sched2.submit(_work(5)))
+    await asyncio.sleep(0)
+    stopping = asyncio.create_task(sched2.stop(drain=False))
+    await asyncio.sleep(0.01)
+    engine2.gate.set()
+    await stopping
+    await blocker2
+    with pytest.raises(Unavailable, match="was unloaded"):
+        await queued
+
+
+async def test_oversized_request_runs_alone():
+    engine = GatedEngine()
+    sched = await _scheduler(engine, max_batch_size=2)
+    res = await sched.submit(_work(4, batch=5))
+    assert res["output"].shape == (5, 4, 8) and engine.batches == [[4] * 5]
+    await sched.stop()
+
+
+async def test_merge_and_split_trim_client_padding():
+    engine = GatedEngine()
+    a = SequenceWork(np.ones((2, 10, 4), np.float32), np.array([3, 2]))
+    b = SequenceWork(np.ones((1, 2, 4), np.float32), np.array([2]),
+                     h0=np.full((1, 2, 8), 0.5, np.float32), outputs=frozenset({"output", "h_n"}))
+    batch = merge([a, b])
+    assert batch.x.shape == (3, 3, 4) and batch.lengths.tolist() == [3, 2, 2]
+    assert batch.computed_steps == 9 and batch.useful_steps == 7
+    assert np.all(batch.h0[:2] == 0) and np.all(batch.h0[2] == 0.5)
+    out = engine.inner.forward(batch.x, batch.lengths, batch.h0, batch.c0)
+    ra, rb = split(engine.spec, batch, out.output, out.h_n, out.c_n, [a, b])
+    assert ra["output"].shape == (2, 10, 8) and np.all(ra["output"][:, 3:] == 0)
+    assert set(rb) == {"output", "h_n"} and rb["output"].shape == (1, 2, 8)
+    np.testing.assert_allclose(ra["output_last"][1], out.output[1, 1], atol=0)

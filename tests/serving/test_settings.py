@@ -1,0 +1,42 @@
+"""ServeSettings: env vars, CLI flags over them, and config.json over the server's defaults."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from service.errors import InvalidInput
+from service.registry import effective_config
+from service.settings import ServeSettings, build_serve_parser
+
+
+def test_defaults_env_and_flags(monkeypatch):
+    s = ServeSettings.from_args([])
+    assert (s.http_port, s.grpc_port, s.host, s.device, str(s.repository)) == (8000, 8001, "0.0.0.0", "auto", "models")
+    monkeypatch.setenv("RNNSERVE_HTTP_PORT", "9000")
+    monkeypatch.setenv("RNNSERVE_MAX_BATCH_SIZE", "8")
+    monkeypatch.setenv("RNNSERVE_DEVICE", "cpu")
+    s = ServeSettings.from_args(["--max-batch-size", "16", "--repository", "/srv/models"])
+    assert s.http_port == 9000 and s.device == "cpu"
+    assert s.max_batch_size == 16 and str(s.repository) == "/srv/models"
+
+
+def test_bad_values_name_the_flag(monkeypatch):
+    with pytest.raises(InvalidInput, match="--max-batch-size: Input should be greater than or equal to 1"):
+        ServeSettings.from_args(["--max-batch-size", "0"])
+    with pytest.raises(SystemExit):
+        ServeSettings.from_args(["--device", "tpu"])
+
+
+def test_every_field_is_a_flag():
+    usage = build_serve_parser().format_help()
+    for name in ServeSettings.model_fields:
+        assert f"--{name.replace('_', '-')}" in usage and f"RNNSERVE_{name.upper()}" in usage
+
+
+def test_config_json_overrides_server_defaults(tmp_path):
+    defaults = {"max_batch_size": 8, "max_queue_delay_us": 100, "max_queue_size": 10, "max_sequence_length": 50}
+    (tmp_path / "config.json").write_text(json.dumps({"max_batch_size": 64, "max_queue_size": 3}))
+    cfg = effective_config(tmp_path, defaults)
+    # 64 is the built-in default (what PackedModel.save writes), so the server's 8 applies; 3 is a real override
+    assert (cfg.max_batch_size, cfg.max_queue_delay_us, cfg.max_queue_size, cfg.max_sequence_length) == (8, 100, 3, 50)

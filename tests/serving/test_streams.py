@@ -1,0 +1,93 @@
+"""Stateful streams (Triton sequence_id/start/end): chunks continue from the server-kept state."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from service import create_engine
+from service.dataplane import InferRequest, InferTensor
+from service.repository import load_model
+from serving_support import rest_client, write_config
+
+pytestmark = pytest.mark.asyncio
+
+
+def _chunk(x, seq_id, start=False, end=False, outputs=None):
+    body = {"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}],
+            "parameters": {"sequence_id": seq_id, "sequence_start": start, "sequence_end": end}}
+    if outputs:
+        body["outputs"] = [{"name": o} for o in outputs]
+    return body
+
+
+def _outputs(resp):
+    assert resp.status_code == 200, resp.text
+    return {o["name"]: np.asarray(o["data"], np.float32).reshape(o["shape"]) for o in resp.json()["outputs"]}
+
+
+async def test_chunks_equal_the_whole_sequence(repo):
+    x = np.random.default_rng(0).standard_normal((1, 12, 4)).astype(np.float32)
+    engine = create_engine(load_model(repo / "lstm"), "cpu")
+    async with rest_client(repo) as (client, _):
+        parts = [(0, 5, True, False), (5, 6, False, False), (6, 12, False, True)]
+        got = [_outputs(await client.post("/v2/models/lstm/infer", json=_chunk(x[:, a:b], 7, s, e)))
+               for a, b, s, e in parts]
+        r = await client.post("/v2/models/lstm/infer", json=_chunk(x[:, :1], 7))
+        assert r.status_code == 404 and "stream 7 of model 'lstm' is not live" in r.json()["error"]
+        r = await client.post("/v2/models/gru_bi/infer", json=_chunk(x[:, :1], 8, True))
+        assert r.status_code == 400 and "model 'gru_bi' reads sequences backwards" in r.json()["error"]
+    whole = engine.forward(x)
+    np.testing.assert_allclose(np.concatenate([g["output"] for g in got], axis=1), whole.output, atol=1e-5)
+    np.testing.assert_allclose(got[-1]["h_n"], whole.h_n, atol=1e-5)
+    np.testing.assert_allclose(got[-1]["c_n"], whole.c_n, atol=1e-5)
+
+
+async def test_interleaved_streams_batch_together(repo):
+    rng = np.random.default_rng(1)
+    seqs = {f"s{i}": rng.standard_normal((1, 9, 4)).astype(np.float32) for i in range(12)}
+    engine = create_engine(load_model(repo / "lstm"), "cpu")
+    write_config(repo, "lstm", max_queue_delay_us=5000)
+    async with rest_client(repo) as (client, _):
+        last = {}
+        for a, b in ((0, 3), (3, 7), (7, 9)):
+            answers = await asyncio.gather(*(
+                client.post("/v2/models/lstm/infer", json=_chunk(x[:, a:b], k, a == 0, b == 9, ["h_n"]))
+                for k, x in seqs.items()))
+            if a == 3:
+                text = (await client.get("/metrics")).text
+                active = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                          if s.name == "rnnserve_active_streams" and s.labels["model"] == "lstm"]
+                assert active == [12]
+            last = {k: _outputs(r)["h_n"] for k, r in zip(seqs, answers)}
+    for k, x in seqs.items():
+        np.testing.assert_allclose(last[k], engine.forward(x).h_n, atol=1e-5)
+
+
+async def test_chunks_of_one_stream_run_in_order(repo):
+    x = np.random.default_rng(2).standard_normal((1, 8, 4)).astype(np.float32)
+    engine = create_engine(load_model(repo / "lstm"), "cpu")
+    async with rest_client(repo) as (_, dataplane):
+        def req(a, b, **p):
+            return InferRequest("lstm", inputs=[InferTensor("input", "FP32", [1, b - a, 4], x[:, a:b])],
+                                parameters={"sequence_id": 99, **p})
+        answers = await asyncio.gather(dataplane.infer(req(0, 2, sequence_start=True)), dataplane.infer(req(2, 5)),
+                                       dataplane.infer(req(5, 8, sequence_end=True)))
+    out = np.concatenate([next(t.data for t in a.outputs if t.name == "output") for a in answers], axis=1)
+    np.testing.assert_allclose(out, engine.forward(x).output, atol=1e-5)
+
+
+async def test_stream_limits(repo):
+    write_config(repo, "lstm", max_streams=2, stream_idle_timeout_s=0.2)
+    x = np.zeros((1, 2, 4), np.float32)
+    async with rest_client(repo) as (client, _):
+        for k in (1, 2):
+            assert (await client.post("/v2/models/lstm/infer", json=_chunk(x, k, True))).status_code == 200
+        r = await client.post("/v2/models/lstm/infer", json=_chunk(x, 3, True))
+        assert r.status_code == 503 and "2 live streams (max_streams 2)" in r.json()["error"]
+        await asyncio.sleep(0.35)
+        assert (await client.post("/v2/models/lstm/infer", json=_chunk(x, 3, True))).status_code == 200
+        r = await client.post("/v2/models/lstm/infer", json=_chunk(x, 1))
+        assert r.status_code == 404 and "idle longer than 0.2s" in r.json()["error"]
