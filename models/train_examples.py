@@ -112,9 +112,7 @@ def main() -> int:
             subprocess.run([sys.executable, "-m", "service.cli", "convert", str(path), "--name", name,
                             "--repository", str(args.repository)], check=True, cwd=ROOT)
             config = args.repository / name / "config.json"
-            current = json.loads(config.read_text()) if config.exists() else {}
-            current.update(CONFIGS[name])
-            config.write_text(json.dumps(current, indent=2) + "\n")
+            config.write_text(json.dumps(CONFIGS[name], indent=2) + "\n")
     return 0
 
 

@@ -83,14 +83,11 @@ class ModelEntry:
 def effective_config(model_dir: Path, defaults: dict[str, Any]) -> ModelConfig:
     """The model's config.json over the server's defaults.
 
-    A field in config.json overrides the server default only when it differs from
-    the built-in default: ``PackedModel.save`` writes every field, so an untouched
-    file must not pin the server's ``--max-batch-size`` and friends.
+    A field written in config.json wins; a field the file leaves out takes the
+    server's flag/env default (``--max-batch-size`` and friends), then the built-in one.
     """
     cfg = load_config(model_dir)
-    builtin = ModelConfig()
-    update = {k: defaults[k] for k in DEFAULTED_FIELDS
-              if k in defaults and getattr(cfg, k) == getattr(builtin, k)}
+    update = {k: defaults[k] for k in DEFAULTED_FIELDS if k in defaults and k not in cfg.model_fields_set}
     return cfg.model_copy(update=update)
 
 

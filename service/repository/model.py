@@ -86,7 +86,8 @@ class PackedModel:
         save_tensors(out, tensors, metadata, bfloat16=bf16)
         config = model_dir / "config.json"
         if not config.exists():
-            config.write_text(json.dumps(ModelConfig().model_dump(), indent=2) + "\n")
+            # Only what differs from the server's defaults belongs here; see ModelConfig for every field.
+            config.write_text("{}\n")
         return out
 
 

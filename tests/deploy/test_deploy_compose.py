@@ -18,9 +18,7 @@ DASHBOARD = COMPOSE_DIR / "grafana" / "dashboards" / "rnnserve.json"
 # Panels may chart a metric the server does not export yet only when it is listed
 # here with the reason; test_pending_metrics_are_still_missing fails once it ships,
 # so the entry gets removed.
-PENDING_METRICS = {
-    "rnnserve_active_streams": "stateful streams are not implemented yet (service/scheduler: 'Stateful streams (later)')",
-}
+PENDING_METRICS: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")

@@ -38,5 +38,7 @@ def test_config_json_overrides_server_defaults(tmp_path):
     defaults = {"max_batch_size": 8, "max_queue_delay_us": 100, "max_queue_size": 10, "max_sequence_length": 50}
     (tmp_path / "config.json").write_text(json.dumps({"max_batch_size": 64, "max_queue_size": 3}))
     cfg = effective_config(tmp_path, defaults)
-    # 64 is the built-in default (what PackedModel.save writes), so the server's 8 applies; 3 is a real override
-    assert (cfg.max_batch_size, cfg.max_queue_delay_us, cfg.max_queue_size, cfg.max_sequence_length) == (8, 100, 3, 50)
+    # fields written in config.json win, even when equal to the built-in default; the rest take the server's
+    assert (cfg.max_batch_size, cfg.max_queue_delay_us, cfg.max_queue_size, cfg.max_sequence_length) == (64, 100, 3, 50)
+    (tmp_path / "config.json").write_text("{}")
+    assert effective_config(tmp_path, defaults).max_batch_size == 8
