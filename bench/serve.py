@@ -12,6 +12,17 @@ Each request asks for ``output_last`` (many-to-one), the common serving case.
 
 Client and server share the machine's cores, so numbers on small machines are a
 lower bound. The table prints requests/s, sequences/s and p50/p99 latency in ms.
+
+The ``streams`` scenario (in the default run; alone with ``--scenario streams``)
+serves a second LSTM, ``bench_stream`` (2 layers, H=256 by default, max_batch_size
+256), and drives N concurrent streams (N in --streams, default 1,16,256) over gRPC,
+each sending --chunk-steps chunks (default 10 steps) one after another: first as
+stateful streams (sequence_id/start/end, the server keeps h and c), then the same
+chunks statelessly (the client sends h_0/c_0 and reads back h_n/c_n). It prints
+chunks/s and p50/p99 chunk latency for both. On the CPU each stream sends fewer
+chunks (--stream-chunks, default 2000 on cuda, 600 on cpu, shared over the N streams).
+
+    python bench/serve.py --scenario streams --device cuda    # the GPU target: 256 streams, p99 < 10 ms
 """
 from __future__ import annotations
 
@@ -37,6 +48,19 @@ HEADER = "Inference-Header-Content-Length"
 
 
 # ---- server ----------------------------------------------------------------------------------------------
+
+
+def write_stream_model(repo: Path, features: int, hidden: int, layers: int) -> None:
+    """The streaming scenario's LSTM, ``bench_stream``: batches up to 256 chunks."""
+    from service.packing import block_param_count
+    from service.repository import PackedModel
+    from service.spec import BlockSpec, RNNSpec
+
+    spec = RNNSpec((BlockSpec("lstm", features, hidden, num_layers=layers),))
+    rng = np.random.default_rng(2)
+    weights = (rng.standard_normal(block_param_count(spec.blocks[0])) / np.sqrt(hidden)).astype(np.float32)
+    PackedModel(spec, [weights]).save(repo, "bench_stream", 1)
+    (repo / "bench_stream" / "config.json").write_text(json.dumps({"max_batch_size": 256, "max_streams": 4096}))
 
 
 def write_repository(repo: Path, features: int, hidden: int, layers: int) -> None:
@@ -212,6 +236,103 @@ async def bench(args: argparse.Namespace, http_url: str, grpc_url: str | None, m
     return rows
 
 
+# ---- streams ------------------------------------------------------------------------------------------------
+
+
+async def stream_cell(client, model: str, n: int, chunks: int, steps: int, features: int, stateful: bool,
+                      state_shape: tuple[int, int]) -> dict:
+    """``n`` concurrent streams, each sending ``chunks`` chunks of ``steps`` steps one after another."""
+    import tritonclient.grpc.aio as tga
+
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal((1, steps, features)).astype(np.float32) for _ in range(8)]
+    latencies: list[float] = []
+    errors = 0
+    base = int(time.time() * 1000) % 1_000_000 * 10_000
+
+    def make_input(name, arr):
+        t = tga.InferInput(name, list(arr.shape), "FP32")
+        t.set_data_from_numpy(arr)
+        return t
+
+    async def one(k: int) -> None:
+        nonlocal errors
+        h = np.zeros((1, *state_shape), np.float32)
+        c = np.zeros((1, *state_shape), np.float32)
+        wanted = ["output"] if stateful else ["output", "h_n", "c_n"]
+        outputs = [tga.InferRequestedOutput(o) for o in wanted]
+        for j in range(chunks):
+            inputs = [make_input("input", xs[(k + j) % len(xs)])]
+            kwargs = {}
+            if stateful:
+                kwargs = dict(sequence_id=base + k + 1, sequence_start=j == 0, sequence_end=j == chunks - 1)
+            else:
+                inputs += [make_input("h_0", h), make_input("c_0", c)]
+            t0 = time.perf_counter()
+            try:
+                result = await client.infer(model, inputs, outputs=outputs, **kwargs)
+            except Exception:  # noqa: BLE001 - counted; a broken stream stops
+                errors += 1
+                return
+            latencies.append(time.perf_counter() - t0)
+            if not stateful:
+                h, c = result.as_numpy("h_n"), result.as_numpy("c_n")
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(k) for k in range(n)))
+    elapsed = time.perf_counter() - start
+    lat = np.asarray(latencies) * 1000
+    return {"mode": "stateful" if stateful else "stateless", "streams": n, "chunks": len(latencies),
+            "chunk_steps": steps, "errors": errors, "chunks_per_s": len(latencies) / elapsed,
+            "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
+            "p99_ms": float(np.percentile(lat, 99)) if lat.size else None}
+
+
+async def bench_streams(args: argparse.Namespace, grpc_url: str | None) -> list[dict]:
+    import tritonclient.grpc.aio as tga
+
+    if not grpc_url:
+        print("skipping streams: the server has no gRPC port", file=sys.stderr)
+        return []
+    total = args.stream_chunks or (2000 if args.device == "cuda" else 600)
+    client = tga.InferenceServerClient(grpc_url)
+    rows = []
+    try:
+        meta = await client.get_model_metadata(args.stream_model, as_json=True)
+        h_shape = next(i["shape"] for i in meta["inputs"] if i["name"] == "h_0")
+        state_shape = (int(h_shape[1]), int(h_shape[2]))
+        # warm the model (first batches of each size) before measuring
+        await stream_cell(client, args.stream_model, 16, 3, args.chunk_steps, args.features, True, state_shape)
+        for n in args.streams:
+            chunks = max(4, total // n)
+            for stateful in (True, False):
+                row = await stream_cell(client, args.stream_model, n, chunks, args.chunk_steps, args.features,
+                                        stateful, state_shape)
+                rows.append(row)
+                print(_format_stream_row(row), flush=True)
+    finally:
+        await client.close()
+    return rows
+
+
+def _format_stream_row(r: dict) -> str:
+    p50 = f"{r['p50_ms']:.2f}" if r["p50_ms"] is not None else "-"
+    p99 = f"{r['p99_ms']:.2f}" if r["p99_ms"] is not None else "-"
+    return (f"| {r['mode']:<9} | {r['streams']:>7} | {r['chunks']:>6} | {r['chunks_per_s']:>9.1f} | {p50:>8} | "
+            f"{p99:>8} | {r['errors']:>6} |")
+
+
+STREAM_HEAD = ("| mode      | streams | chunks |  chunks/s |  p50 ms  |  p99 ms  | errors |\n"
+               "|-----------|--------:|-------:|----------:|---------:|---------:|-------:|")
+
+
+async def _ready(http_url: str) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        await wait_ready(session, http_url)
+
+
 def _format_row(r: dict) -> str:
     p50 = f"{r['p50_ms']:.1f}" if r["p50_ms"] is not None else "-"
     p99 = f"{r['p99_ms']:.1f}" if r["p99_ms"] is not None else "-"
@@ -240,6 +361,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=3.0, help="measured seconds per cell (default 3)")
     p.add_argument("--warmup", type=float, default=0.5, help="unmeasured seconds per cell (default 0.5)")
     p.add_argument("--pool", type=int, default=64, help="distinct pre-built requests (default 64)")
+    p.add_argument("--scenario", choices=["all", "requests", "streams"], default="all",
+                   help="requests (one-shot sequences), streams (stateful vs stateless chunks), or all (default)")
+    p.add_argument("--streams", type=lambda s: [int(c) for c in s.split(",")], default=[1, 16, 256],
+                   help="concurrent streams per cell (default 1,16,256)")
+    p.add_argument("--chunk-steps", type=int, default=10, help="time steps per stream chunk (default 10)")
+    p.add_argument("--stream-chunks", type=int, default=0,
+                   help="chunks per cell, shared over its streams (at least 4 per stream; default 2000 on cuda, "
+                        "600 otherwise)")
+    p.add_argument("--stream-hidden", type=int, default=256, help="H of the streaming LSTM (default 256)")
+    p.add_argument("--stream-layers", type=int, default=2, help="layers of the streaming LSTM (default 2)")
+    p.add_argument("--stream-model", default="bench_stream", help="model the streams drive (default bench_stream)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
 
@@ -252,14 +384,26 @@ def main(argv: list[str] | None = None) -> int:
         tmp = tempfile.TemporaryDirectory(prefix="rnnserve-bench-")
         repo = Path(tmp.name) / "models"
         write_repository(repo, args.features, args.hidden, args.layers)
+        write_stream_model(repo, args.features, args.stream_hidden, args.stream_layers)
         proc, http_url, grpc_url = start_server(repo, args.device, [])
         models = ["bench", "bench_nobatch"]
-    print(f"rnnserve bench: LSTM I={args.features} H={args.hidden} L={args.layers}, lengths "
-          f"{args.min_len}..{args.max_len}, output_last, {args.duration:.0f}s per cell, "
-          f"{os.cpu_count()} CPUs, server {http_url} (gRPC {grpc_url or 'off'})")
-    print(TABLE_HEAD, flush=True)
+    rows: list[dict] = []
+    stream_rows: list[dict] = []
     try:
-        rows = asyncio.run(bench(args, http_url, grpc_url, models))
+        if args.scenario in ("all", "requests"):
+            print(f"rnnserve bench: LSTM I={args.features} H={args.hidden} L={args.layers}, lengths "
+                  f"{args.min_len}..{args.max_len}, output_last, {args.duration:.0f}s per cell, "
+                  f"{os.cpu_count()} CPUs, device {args.device}, server {http_url} (gRPC {grpc_url or 'off'})")
+            print(TABLE_HEAD, flush=True)
+            rows = asyncio.run(bench(args, http_url, grpc_url, models))
+        if args.scenario in ("all", "streams"):
+            if args.scenario == "streams":
+                asyncio.run(_ready(http_url))
+            print(f"\nrnnserve streams: LSTM I={args.features} H={args.stream_hidden} L={args.stream_layers}, "
+                  f"{args.chunk_steps}-step chunks over gRPC, stateful (sequence_id) vs stateless (client sends "
+                  f"h_0/c_0), {os.cpu_count()} CPUs, device {args.device}")
+            print(STREAM_HEAD, flush=True)
+            stream_rows = asyncio.run(bench_streams(args, grpc_url))
     finally:
         if proc is not None:
             proc.terminate()
@@ -272,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
             "model": {"cell": "lstm", "features": args.features, "hidden": args.hidden, "layers": args.layers},
             "lengths": [args.min_len, args.max_len], "duration_s": args.duration, "device": args.device,
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "results": rows,
+            "streams": {"model": {"cell": "lstm", "features": args.features, "hidden": args.stream_hidden,
+                                  "layers": args.stream_layers}, "chunk_steps": args.chunk_steps,
+                        "results": stream_rows},
         }, indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0

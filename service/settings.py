@@ -4,8 +4,8 @@ One pydantic-settings class is the single source: each field is an env var
 (``RNNSERVE_<FIELD>``) and a flag (``--field-name``) whose help is the field's
 description. Precedence: CLI flag > env var > default.
 
-The batching fields (``max_batch_size``, ``max_queue_delay_us``, ``max_queue_size``,
-``max_sequence_length``) are server-wide defaults for every model; a model's
+The batching and stream fields (``max_batch_size``, ``max_queue_delay_us``, ``max_queue_size``,
+``max_sequence_length``, ``max_streams``, ``stream_idle_timeout_s``) are server-wide defaults for every model; a model's
 ``config.json`` overrides them (see :func:`service.registry.effective_config`).
 """
 from __future__ import annotations
@@ -40,6 +40,12 @@ class ServeSettings(BaseSettings):
     )
     max_queue_size: int = Field(1024, ge=1, description="Default requests waiting per model; more get 503 at once.")
     max_sequence_length: int = Field(100_000, ge=1, description="Default longest T accepted per request.")
+    max_streams: int = Field(
+        1024, ge=1, description="Default live stateful streams (sequence_id) per model; one more gets UNAVAILABLE (503)."
+    )
+    stream_idle_timeout_s: float = Field(
+        60.0, gt=0, description="Default seconds a stateful stream may go without a chunk before its state is dropped."
+    )
     max_request_bytes: int = Field(
         64 * 1024 * 1024, ge=1024, description="Largest request body (HTTP) or message (gRPC) accepted, in bytes."
     )

@@ -10,7 +10,8 @@ import logging
 import time
 
 from .. import __version__
-from ..errors import NotFound, RNNServeError, Unavailable
+from ..engines.base import split_block_states
+from ..errors import RNNServeError, Unavailable
 from ..metrics import ServerMetrics
 from ..registry import ModelRegistry, ModelState, ServedVersion
 from ..scheduler import SequenceWork
@@ -96,7 +97,7 @@ class DataPlane:
             if stream is None:
                 results = await served.scheduler.submit(work, deadline)
             else:
-                results = await self._stream_chunk(served, sig, stream, work, deadline)
+                results = await self._stream_chunk(served, stream, work, deadline)
         except RNNServeError as exc:
             self._count(model_label, version_label, exc.status.lower())
             raise
@@ -117,32 +118,38 @@ class DataPlane:
                 time.perf_counter() - start)
         return InferResponse(served.name, served.label, request.id, outputs)
 
-    @staticmethod
-    async def _stream_chunk(served: ServedVersion, sig: ModelSignature, stream: StreamRequest, work: SequenceWork,
+    async def _stream_chunk(self, served: ServedVersion, stream: StreamRequest, work: SequenceWork,
                             deadline: float | None) -> dict:
-        """Run one chunk of a stream from the state the previous chunk left; keep the new state."""
+        """Run one chunk of a stream from the state the previous chunk left (or its own h_0/c_0); keep the new state.
+
+        The state stays in the engine's arrays (GPU memory for the cuDNN engine): the
+        scheduler gathers the states of every stream chunk in a batch, runs the batch
+        with per-block states and scatters the new ones back (see :mod:`service.scheduler.batching`).
+        """
         store = served.streams
         state = store.open(stream.key, stream.start)
         async with state.lock:
-            if state.ended:
-                raise NotFound(f"stream {stream.key} of model '{served.name}' ended or was restarted while this "
-                               f"chunk waited for the previous one")
-            wanted = work.outputs
-            work.h0 = None if state.h is None else state.h[None]
-            work.c0 = None if state.c is None else state.c[None]
-            work.outputs = wanted | ({"h_n", "c_n"} & set(sig.output_names))
+            store.check_live(state)
+            work.stream = True
+            if stream.start:
+                given = work.h0 is not None or work.c0 is not None
+                work.states = split_block_states(served.model.spec, work.h0, work.c0) if given else None
+                work.h0 = work.c0 = None
+            else:
+                work.states = state.states
             try:
                 results = await served.scheduler.submit(work, deadline)
             except BaseException:
                 if stream.start:
-                    store.close(state)
+                    store.close(state, "failed on its first chunk", "error")
                 raise
-            state.h = results["h_n"][0]
-            state.c = results["c_n"][0] if "c_n" in results else None
-            state.last_used = time.monotonic()
+            if not state.ended:
+                state.states = work.states_out
+                state.last_used = time.monotonic()
+            self.metrics.stream_chunk_timesteps.labels(model=served.name, version=served.label).observe(work.steps)
             if stream.end:
                 store.close(state)
-        return {k: v for k, v in results.items() if k in wanted}
+        return results
 
     def _count(self, model: str, version: str, outcome: str) -> None:
         # Requests for unknown models are counted under model "" so clients cannot create series at will.

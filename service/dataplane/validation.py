@@ -98,17 +98,17 @@ def to_work(request: InferRequest, sig: ModelSignature, max_sequence_length: int
         raise InvalidInput(f"input 'input' has {t} time steps, model '{model}' accepts at most {max_sequence_length} "
                            f"(max_sequence_length); split the sequence")
     if stream is not None:
-        if sig.state_size is None:
-            raise InvalidInput(f"model '{model}' cannot run streams: its blocks have different state sizes")
         if not sig.causal:
             raise InvalidInput(f"model '{model}' reads sequences backwards (bidirectional or reverse), so a chunk "
                                f"would need the chunks after it; send whole sequences without sequence_id")
         if b != 1:
             raise InvalidInput(f"a stream request carries one sequence (batch 1), got batch {b}; "
                                f"send other sequences as their own streams")
-        for name in ("h_0", "c_0"):
-            if name in tensors:
-                raise InvalidInput(f"input '{name}' cannot be sent with sequence_id: the stream keeps its own state")
+        if not stream.start:
+            for name in ("h_0", "c_0"):
+                if name in tensors:
+                    raise InvalidInput(f"input '{name}' can only start a stream (with sequence_start): later chunks "
+                                       f"continue from the state the server keeps")
     lengths = _lengths(tensors.get("lengths"), b, t)
     h0 = _state(tensors.get("h_0"), b, sig.state_rows, sig.state_size, model)
     c0 = _state(tensors.get("c_0"), b, sig.cell_rows, sig.cell_size, model)

@@ -6,17 +6,98 @@ forward(x [B, T, I], lengths [B] | None, h0 [B, L*D, Ho] | None, c0 [B, L*D, H] 
 State rows are the (layer, direction) pairs of every block in order; c rows count
 only LSTM blocks. A model whose blocks have different Ho (or H for LSTM blocks) has
 no single state tensor: such a model refuses h0/c0 and returns h_n/c_n as None.
+
+forward_blocks(x, lengths, states) -> (output, states) is the same computation with
+each block's state kept separately, ``states[k] = (h [B, L_k*D_k, Ho_k], c [B, L_k*D_k, H_k] | None)``,
+so it works for every model, including those with no single state tensor. Stateful
+streams use it: the states it returns are the engine's own arrays (CuPy on the GPU
+engine), so a stream's state never leaves the device between chunks; ``output`` is
+a host NumPy array as from ``forward``.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from ..errors import InvalidInput
 from ..spec import RNNSpec
+
+
+# One block's state: (h [B, L*D, Ho], c [B, L*D, H] for LSTM blocks else None).
+BlockState = tuple[Any, Any]
+
+
+def array_module(a: Any) -> Any:
+    """NumPy, or CuPy for a CuPy array (without importing CuPy on CPU-only machines)."""
+    if type(a).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
+
+
+def check_block_states(spec: RNNSpec, states: Sequence[BlockState], b: int) -> None:
+    """InvalidInput unless ``states`` holds one correctly shaped (h, c) per block."""
+    if len(states) != len(spec.blocks):
+        raise InvalidInput(f"states must hold one (h, c) per block ({len(spec.blocks)}), got {len(states)}")
+    for k, (blk, (h, c)) in enumerate(zip(spec.blocks, states)):
+        want = (b, blk.pseudo_layers, blk.output_size)
+        if h is None or tuple(int(s) for s in h.shape) != want:
+            raise InvalidInput(f"state h of block {k} must have shape {list(want)}, got "
+                               f"{None if h is None else list(h.shape)}")
+        if blk.cell == "lstm":
+            want_c = (b, blk.pseudo_layers, blk.hidden_size)
+            if c is None or tuple(int(s) for s in c.shape) != want_c:
+                raise InvalidInput(f"state c of block {k} must have shape {list(want_c)}, got "
+                                   f"{None if c is None else list(c.shape)}")
+        elif c is not None:
+            raise InvalidInput(f"block {k} ({blk.cell}) has no cell state; pass None as its c")
+
+
+def gather_block_states(spec: RNNSpec, parts: Sequence[Sequence[BlockState] | None], counts: Sequence[int],
+                        xp: Any) -> list[BlockState]:
+    """Per block, the parts' states concatenated over the batch in array module ``xp`` (None parts: zeros)."""
+    out: list[BlockState] = []
+    for k, blk in enumerate(spec.blocks):
+        hs, cs = [], []
+        for part, n in zip(parts, counts):
+            h, c = part[k] if part is not None else (None, None)
+            hs.append(xp.asarray(h, dtype=np.float32) if h is not None
+                      else xp.zeros((n, blk.pseudo_layers, blk.output_size), np.float32))
+            if blk.cell == "lstm":
+                cs.append(xp.asarray(c, dtype=np.float32) if c is not None
+                          else xp.zeros((n, blk.pseudo_layers, blk.hidden_size), np.float32))
+        h_all = hs[0] if len(hs) == 1 else xp.concatenate(hs, axis=0)
+        c_all = None if not cs else (cs[0] if len(cs) == 1 else xp.concatenate(cs, axis=0))
+        out.append((h_all, c_all))
+    return out
+
+
+def split_block_states(spec: RNNSpec, h_n: Any, c_n: Any) -> list[BlockState]:
+    """Per-block views of stacked h_n [B, R, Ho] / c_n [B, Rc, H] (either may be None: None per block)."""
+    states: list[BlockState] = []
+    row = crow = 0
+    for blk in spec.blocks:
+        rows = blk.pseudo_layers
+        c = None
+        if blk.cell == "lstm":
+            c = None if c_n is None else c_n[:, crow:crow + rows]
+            crow += rows
+        states.append((None if h_n is None else h_n[:, row:row + rows], c))
+        row += rows
+    return states
+
+
+def stack_block_states(spec: RNNSpec, states: Sequence[BlockState]) -> tuple[Any, Any]:
+    """The contract's h_n/c_n from per-block states, or None where the widths differ."""
+    xp = array_module(states[0][0])
+    h_n = xp.concatenate([h for h, _ in states], axis=1) if spec.state_size is not None else None
+    cs = [c for _, c in states if c is not None]
+    c_n = xp.concatenate(cs, axis=1) if cs and spec.cell_state_size is not None else None
+    return h_n, c_n
 
 
 @dataclass
@@ -37,6 +118,37 @@ class Engine(ABC):
     @abstractmethod
     def forward(self, x: Any, lengths: Any = None, h0: Any = None, c0: Any = None) -> EngineOutput:
         """Run the model on a batch; see the module docstring for shapes."""
+
+    def forward_blocks(self, x: Any, lengths: Any = None,
+                       states: Sequence[BlockState] | None = None) -> tuple[Any, list[BlockState]]:
+        """Run the model with per-block states (see the module docstring); ``states`` None = zeros.
+
+        This default serves engines whose models have one state width: it stacks the
+        blocks' states into h0/c0 and splits h_n/c_n back. Engines that can run models
+        with different widths per block override it.
+        """
+        spec = self.spec
+        if spec.state_size is None or (spec.is_lstm and spec.cell_state_size is None):
+            raise InvalidInput(f"engine '{self.name}' cannot run per-block states for a model whose blocks have "
+                               f"different state sizes")
+        xp = array_module(states[0][0]) if states else np
+        h0 = c0 = None
+        if states is not None:
+            check_block_states(spec, states, int(x.shape[0]))
+            h0 = xp.concatenate([h for h, _ in states], axis=1)
+            cs = [c for _, c in states if c is not None]
+            c0 = xp.concatenate(cs, axis=1) if cs else None
+        out = self.forward(x, lengths, h0, c0)
+        return out.output, split_block_states(spec, out.h_n, out.c_n)
+
+    def gather_states(self, parts: Sequence[Sequence[BlockState] | None], counts: Sequence[int]) -> list[BlockState]:
+        """One batch's per-block states for :meth:`forward_blocks`: each part's states stacked in order.
+
+        ``parts[i]`` holds ``counts[i]`` sequences' per-block states (NumPy or this engine's
+        arrays), or None for zeros. The result is in this engine's arrays; the GPU engine
+        gathers on its own stream, so a batch of streams never copies state through the host.
+        """
+        return gather_block_states(self.spec, parts, counts, np)
 
     def describe(self) -> dict[str, Any]:
         """Facts for `rnnserve inspect` and model metadata."""

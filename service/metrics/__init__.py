@@ -57,6 +57,17 @@ class ServerMetrics:
         self.active_streams = Gauge(
             "rnnserve_active_streams", "Live stateful streams (sequence_id) holding state on the server.", MV,
             registry=r)
+        self.stream_starts = Counter(
+            "rnnserve_stream_starts", "Stateful streams started (a chunk with sequence_start).", MV, registry=r)
+        self.stream_ends = Counter(
+            "rnnserve_stream_ends", "Stateful streams ended, by reason: end (sequence_end), error (their first "
+            "chunk failed), unload (the model was unloaded or reloaded).", MV + ("reason",), registry=r)
+        self.stream_expirations = Counter(
+            "rnnserve_stream_expirations", "Stateful streams dropped after stream_idle_timeout_s without a chunk.",
+            MV, registry=r)
+        self.stream_chunk_timesteps = Histogram(
+            "rnnserve_stream_chunk_timesteps", "Time steps per chunk of a stateful stream.", MV,
+            buckets=_STEP_BUCKETS, registry=r)
         self.model_load_duration = Histogram(
             "rnnserve_model_load_duration_seconds", "Time to read a model and build its engine.", MV,
             buckets=_LOAD_BUCKETS, registry=r)

@@ -35,7 +35,8 @@ log = logging.getLogger("rnnserve.registry")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 # Fields the server's settings give every model unless its config.json says otherwise.
-DEFAULTED_FIELDS = ("max_batch_size", "max_queue_delay_us", "max_queue_size", "max_sequence_length")
+DEFAULTED_FIELDS = ("max_batch_size", "max_queue_delay_us", "max_queue_size", "max_sequence_length", "max_streams",
+                    "stream_idle_timeout_s")
 
 
 class ModelState(str, Enum):
@@ -231,6 +232,8 @@ class ModelRegistry:
                 await self._retire(previous, drain=True)
                 if v not in fresh:
                     del entry.versions[v]
+                elif entry.versions[v].streams is not None and previous.streams is not None:
+                    entry.versions[v].streams.adopt_endings(previous.streams)
         ok = any(sv.state == ModelState.READY for sv in entry.versions.values())
         entry.state = ModelState.READY if ok else ModelState.UNAVAILABLE
         entry.reason = "" if ok else "; ".join(e.message for e in failures)
@@ -271,6 +274,7 @@ class ModelRegistry:
                                  metrics=self.metrics)
         await sv.scheduler.start()
         sv.streams = StreamStore(sv.name, sv.label, cfg.max_streams, cfg.stream_idle_timeout_s, self.metrics)
+        sv.streams.start()
         sv.state = ModelState.READY
         elapsed = time.perf_counter() - start
         if self.metrics is not None:
@@ -302,8 +306,8 @@ class ModelRegistry:
             await sv.scheduler.stop(drain)
             sv.scheduler = None
         if sv.streams is not None:
-            sv.streams.clear()
-            sv.streams = None
+            # The cleared store stays: it tells a late chunk, or a reload's new store, why its stream ended.
+            sv.streams.clear(f"was ended when model '{sv.name}' version {sv.version} was unloaded or reloaded")
         if sv.engine is not None:
             try:
                 await asyncio.to_thread(sv.engine.close)

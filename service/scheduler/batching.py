@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ..engines.base import BlockState, split_block_states, stack_block_states
 from ..spec import RNNSpec
 
 OUTPUT_NAMES = ("output", "output_last", "h_n", "c_n")
@@ -27,8 +28,13 @@ class SequenceWork:
     """One request's sequences, validated and ready to batch.
 
     x [B, T, I] float32, lengths [B] int64 (1..T), h0 [B, S, Ho] / c0 [B, Sc, H] float32
-    or None, outputs: the output names to return. A stateful stream would fill h0/c0
-    from its store and read h_n/c_n back; the scheduler needs nothing else for that.
+    or None, outputs: the output names to return.
+
+    A chunk of a stateful stream sets ``stream``: its initial state is ``states`` (per
+    block (h, c), the engine's own arrays, None = zeros), and after the batch ran
+    ``states_out`` holds the per-block final state, still the engine's arrays (on the
+    GPU for the cuDNN engine). A batch with any stream chunk runs through the engine's
+    ``forward_blocks``, so states are gathered and scattered on the engine's device.
     """
 
     x: np.ndarray
@@ -36,6 +42,9 @@ class SequenceWork:
     h0: np.ndarray | None = None
     c0: np.ndarray | None = None
     outputs: frozenset[str] = field(default_factory=lambda: frozenset(OUTPUT_NAMES))
+    stream: bool = False
+    states: list[BlockState] | None = None
+    states_out: list[BlockState] | None = None
 
     @property
     def sequences(self) -> int:
@@ -151,8 +160,33 @@ def split(spec: RNNSpec, batch: MergedBatch, output: np.ndarray, h_n: Any, c_n: 
 def run_batch(engine: Any, parts: list[SequenceWork]) -> tuple[MergedBatch, list[dict[str, np.ndarray]]]:
     """Merge, run the engine once, split: the body of one scheduler step (runs off the event loop)."""
     batch = merge(parts)
+    if any(p.stream for p in parts):
+        return batch, _run_with_block_states(engine, batch, parts)
     out = engine.forward(batch.x, batch.lengths, batch.h0, batch.c0)
-    output = out.output.get() if hasattr(out.output, "get") else out.output
-    h_n = out.h_n.get() if hasattr(out.h_n, "get") else out.h_n
-    c_n = out.c_n.get() if hasattr(out.c_n, "get") else out.c_n
-    return batch, split(engine.spec, batch, output, h_n, c_n, parts)
+    return batch, split(engine.spec, batch, _host(out.output), _host(out.h_n), _host(out.c_n), parts)
+
+
+def _run_with_block_states(engine: Any, batch: MergedBatch, parts: list[SequenceWork]) -> list[dict[str, np.ndarray]]:
+    """A batch holding stream chunks: gather per-block states, run, scatter the new states to each chunk."""
+    spec = engine.spec
+    initial = [p.states if p.stream else (split_block_states(spec, p.h0, p.c0) if p.h0 is not None or p.c0 is not None
+                                          else None) for p in parts]
+    if all(s is None for s in initial):
+        states = None
+    else:
+        states = engine.gather_states(initial, [p.sequences for p in parts])
+    output, finals = engine.forward_blocks(batch.x, batch.lengths, states)
+    h_n = c_n = None
+    if any({"h_n", "c_n"} & p.outputs for p in parts):
+        h_n, c_n = (_host(a) for a in stack_block_states(spec, finals))
+    row = 0
+    for p in parts:
+        if p.stream:
+            rows = slice(row, row + p.sequences)
+            p.states_out = [(h[rows], None if c is None else c[rows]) for h, c in finals]
+        row += p.sequences
+    return split(spec, batch, _host(output), h_n, c_n, parts)
+
+
+def _host(a: Any) -> Any:
+    return a.get() if hasattr(a, "get") else a

@@ -1,37 +1,49 @@
-"""StreamStore: server-side h and c of stateful streams (Triton's sequence_id) for one model version.
+"""StreamStore: server-side state of stateful streams (Triton's sequence_id) for one model version.
 
-A stream is one sequence sent in chunks. Its first chunk carries
-``sequence_start`` (state starts at zeros), each chunk continues from the state the
-previous one left, and ``sequence_end`` forgets it. Chunks of one stream run one at
-a time, in arrival order (a FIFO lock per stream); chunks of different streams
-batch together like any other requests, since a chunk is just a sequence with an
-initial state.
+A stream is one sequence sent in chunks. Its first chunk carries ``sequence_start``
+(state starts at zeros, or at the h_0/c_0 that chunk carries), each later chunk
+continues from the state the previous one left, and the chunk with ``sequence_end``
+frees it. Chunks of one stream run one at a time, in arrival order (a FIFO lock per
+stream); chunks of different streams batch together like any other requests, since
+a chunk is just a sequence with an initial state.
 
-Limits: at most ``max_streams`` live streams (one more is refused with
-Unavailable); a stream without a chunk for ``idle_timeout_s`` is dropped with its state.
+A stream's state is kept per block (h and c of every layer and direction), as the
+engine's own arrays: on the GPU engine it never leaves GPU memory between chunks.
+
+Errors (each names the stream and says what to do):
+
+* a chunk without ``sequence_start`` for a stream that is not live: NOT_FOUND, saying
+  whether it was never started, ended with sequence_end, expired, or ended by an
+  unload/reload (the store remembers the last ``_REMEMBERED`` ended ids and why);
+* ``sequence_start`` for a stream that is live: INVALID_ARGUMENT (end it first);
+* a new stream over ``max_streams``: UNAVAILABLE (HTTP 503).
+
+A stream with no chunk for ``idle_timeout_s`` is dropped with its state by a sweeper
+task (and on every open), and counted as an expiration.
 """
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
-import numpy as np
-
-from ..errors import NotFound, Unavailable
+from ..errors import InvalidInput, NotFound, Unavailable
 from ..metrics import ServerMetrics
+
+_REMEMBERED = 4096  # ended stream ids kept to explain a late chunk
 
 
 @dataclass(eq=False)
 class StreamState:
-    """One live stream: its state rows (h [S, Ho], c [Sc, H] or None) and the lock ordering its chunks."""
+    """One live stream: per-block (h, c) states (None before its first chunk ran) and the lock ordering its chunks."""
 
     key: str
-    h: np.ndarray | None = None
-    c: np.ndarray | None = None
+    states: list[tuple[Any, Any]] | None = None
     last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    ended: bool = False
+    ended: str = ""  # why the stream ended, "" while live
 
 
 class StreamStore:
@@ -44,56 +56,104 @@ class StreamStore:
         self.max_streams = max_streams
         self.idle_timeout_s = idle_timeout_s
         self._metrics = metrics
+        self._labels = {"model": model, "version": version}
         self._streams: dict[str, StreamState] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()
         self._last_sweep = 0.0
+        self._sweeper: asyncio.Task | None = None
 
     def __len__(self) -> int:
         return len(self._streams)
 
+    def start(self) -> None:
+        """Start the task that drops idle streams even when no chunk arrives."""
+        self._sweeper = asyncio.create_task(self._sweep_loop(), name=f"streams-{self.model}-{self.version}")
+
+    async def _sweep_loop(self) -> None:
+        period = min(1.0, self.idle_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            self._sweep(time.monotonic(), force=True)
+
     def open(self, key: str, start: bool) -> StreamState:
-        """The stream ``key``: a fresh one when ``start`` (replacing any old one), else the live one."""
+        """A fresh stream ``key`` when ``start``, else the live one; raises the errors listed above."""
         now = time.monotonic()
         self._sweep(now)
+        state = self._streams.get(key)
         if start:
-            if key not in self._streams and len(self._streams) >= self.max_streams:
+            if state is not None:
+                raise InvalidInput(f"stream {key} of model '{self.model}' is already live; a second "
+                                   f"sequence_start needs the first to end (sequence_end) or use a new sequence_id")
+            if len(self._streams) >= self.max_streams:
                 raise Unavailable(f"model '{self.model}' has {len(self._streams)} live streams (max_streams "
                                   f"{self.max_streams}); end finished streams with sequence_end or retry later")
-            old = self._streams.get(key)
-            if old is not None:
-                old.ended = True
-            state = StreamState(key)
-            self._streams[key] = state
-        else:
-            state = self._streams.get(key)
-            if state is None:
-                raise NotFound(f"stream {key} of model '{self.model}' is not live (never started, ended, or idle "
-                               f"longer than {self.idle_timeout_s:g}s); send its first chunk with sequence_start")
+            state = self._streams[key] = StreamState(key, last_used=now)
+            self._ended.pop(key, None)
+            if self._metrics is not None:
+                self._metrics.stream_starts.labels(**self._labels).inc()
+            self._gauge()
+            return state
+        if state is None:
+            why = self._ended.get(key)
+            if why:
+                raise NotFound(f"stream {key} of model '{self.model}' is not live: it {why}; start a new stream "
+                               f"with sequence_start")
+            raise NotFound(f"stream {key} of model '{self.model}' is not live (never started, or ended long ago); "
+                           f"send its first chunk with sequence_start")
         state.last_used = now
-        self._gauge()
         return state
 
-    def close(self, state: StreamState) -> None:
-        """Forget ``state`` (sequence_end, or a failed first chunk)."""
-        state.ended = True
+    def check_live(self, state: StreamState) -> None:
+        """NotFound when ``state`` ended while a chunk waited for it (an expiry cannot hit a waited-on stream)."""
+        if state.ended:
+            raise NotFound(f"stream {state.key} of model '{self.model}' is not live: it {state.ended}")
+
+    def close(self, state: StreamState, why: str = "ended with sequence_end", outcome: str = "end") -> None:
+        """Forget ``state`` and remember why (sequence_end, a failed first chunk, expiry, unload)."""
+        if state.ended:
+            return
+        state.ended = why
+        state.states = None
         if self._streams.get(state.key) is state:
             del self._streams[state.key]
+            self._remember(state.key, why)
+            if self._metrics is not None:
+                if outcome == "expired":
+                    self._metrics.stream_expirations.labels(**self._labels).inc()
+                else:
+                    self._metrics.stream_ends.labels(**self._labels, reason=outcome).inc()
         self._gauge()
 
-    def clear(self) -> None:
-        """Forget every stream (unload)."""
-        for state in self._streams.values():
-            state.ended = True
-        self._streams.clear()
+    def clear(self, why: str) -> None:
+        """End every stream (unload or reload); their next chunk gets NotFound with ``why``."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for state in list(self._streams.values()):
+            self.close(state, why, "unload")
         self._gauge()
 
-    def _sweep(self, now: float) -> None:
-        if now - self._last_sweep < min(1.0, self.idle_timeout_s / 2):
+    def adopt_endings(self, other: "StreamStore") -> None:
+        """Remember why ``other``'s streams ended (a reload's new store explains the old store's ids)."""
+        for key, why in other._ended.items():
+            self._remember(key, why)
+
+    def _remember(self, key: str, why: str) -> None:
+        self._ended[key] = why
+        self._ended.move_to_end(key)
+        while len(self._ended) > _REMEMBERED:
+            self._ended.popitem(last=False)
+
+    def _sweep(self, now: float, force: bool = False) -> None:
+        if not force and now - self._last_sweep < min(1.0, self.idle_timeout_s / 4):
             return
         self._last_sweep = now
         idle = [s for s in self._streams.values() if now - s.last_used > self.idle_timeout_s and not s.lock.locked()]
         for state in idle:
-            self.close(state)
+            self.close(state, f"expired after {self.idle_timeout_s:g}s without a chunk (stream_idle_timeout_s)",
+                       "expired")
 
     def _gauge(self) -> None:
         if self._metrics is not None:
-            self._metrics.active_streams.labels(model=self.model, version=self.version).set(len(self._streams))
+            self._metrics.active_streams.labels(**self._labels).set(len(self._streams))
+

@@ -65,6 +65,31 @@ def build_repository(repo: Path) -> Path:
     return repo
 
 
+STREAM_MODELS = {
+    "lstm2": (BlockSpec("lstm", 4, 8, num_layers=2),),
+    "gru2": (BlockSpec("gru", 4, 6, num_layers=2),),
+    "rnn2": (BlockSpec("rnn_tanh", 4, 5, num_layers=2),),
+    # blocks of different state widths (like models/wave_classifier): no single h_0/h_n tensor
+    "mixed": (BlockSpec("gru", 4, 12), BlockSpec("gru", 12, 3)),
+    "gru_bi": GRU_BI,
+}
+
+
+def build_stream_repository(repo: Path) -> Path:
+    """Models for stream tests: multi-layer lstm2/gru2/rnn2, mixed widths, gru_bi, and two copies of lstm2:
+    ``lstm_short`` (max_streams 2, stream_idle_timeout_s 0.5) and ``lstm_unload`` (for unloading)."""
+    for seed, (name, blocks) in enumerate(STREAM_MODELS.items()):
+        make_model(*blocks, seed=seed + 10).save(repo, name, 1)
+    lstm = make_model(*STREAM_MODELS["lstm2"], seed=10)
+    lstm.save(repo, "lstm_short", 1)
+    write_config(repo, "lstm_short", max_streams=2, stream_idle_timeout_s=0.5)
+    lstm.save(repo, "lstm_unload", 1)
+    # A window that lets chunks of concurrent streams meet in one batch.
+    for name in ("lstm2", "gru2", "rnn2", "mixed"):
+        write_config(repo, name, max_queue_delay_us=2000)
+    return repo
+
+
 @contextlib.asynccontextmanager
 async def rest_client(repository: Path, **settings: Any) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
     """A started dataplane and an httpx client on its REST app (in process)."""
@@ -80,10 +105,10 @@ async def rest_client(repository: Path, **settings: Any) -> AsyncIterator[tuple[
 
 
 def start_server(repository: Path, *extra: str, env: dict[str, str] | None = None,
-                 timeout: float = 60.0) -> tuple[subprocess.Popen, str, str | None]:
+                 timeout: float = 60.0, device: str = "cpu") -> tuple[subprocess.Popen, str, str | None]:
     """Start `python -m service.cli serve` on free ports; return (process, http_url, grpc_url or None)."""
     cmd = [sys.executable, "-m", "service.cli", "serve", "--repository", str(repository), "--host", "127.0.0.1",
-           "--http-port", "0", "--grpc-port", "0", "--device", "cpu", *extra]
+           "--http-port", "0", "--grpc-port", "0", "--device", device, *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})})
     deadline = time.monotonic() + timeout

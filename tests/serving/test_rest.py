@@ -162,7 +162,7 @@ BAD = [
     ("lstm", {"inputs": [_inp(shape=(2, 1, 4))], "parameters": {"sequence_id": 1, "sequence_start": True}}, 400,
      "a stream request carries one sequence (batch 1), got batch 2"),
     ("lstm", {"inputs": [_inp(), _inp("h_0", "FP32", (1, 2, 8), [0] * 16)],
-              "parameters": {"sequence_id": "a", "sequence_start": True}}, 400, "input 'h_0' cannot be sent with sequence_id"),
+              "parameters": {"sequence_id": "a"}}, 400, "input 'h_0' can only start a stream (with sequence_start)"),
     ("lstm", {"inputs": [_inp()], "parameters": {"sequence_id": True}}, 400, "'sequence_id' must be a uint64 or a string"),
     ("lstm", {"inputs": [_inp()], "parameters": {"sequence_start": True}}, 400, "sequence_start/sequence_end need a non-zero"),
     ("lstm", {"inputs": [_inp()], "parameters": {"sequence_id": 3, "sequence_end": "yes"}}, 400, "'sequence_end' must be true or false"),

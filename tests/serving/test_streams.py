@@ -90,4 +90,4 @@ async def test_stream_limits(repo):
         await asyncio.sleep(0.35)
         assert (await client.post("/v2/models/lstm/infer", json=_chunk(x, 3, True))).status_code == 200
         r = await client.post("/v2/models/lstm/infer", json=_chunk(x, 1))
-        assert r.status_code == 404 and "idle longer than 0.2s" in r.json()["error"]
+        assert r.status_code == 404 and "expired after 0.2s without a chunk" in r.json()["error"]

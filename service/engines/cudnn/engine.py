@@ -19,13 +19,14 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from ...errors import EngineUnavailable, InvalidInput
 from ...repository import PackedModel
-from ..base import Engine, EngineOutput, check_forward_args
+from ..base import (BlockState, Engine, EngineOutput, check_block_states, check_forward_args,
+                    gather_block_states)
 from . import library as L
 from .autotune import AlgoTable, BucketChoice, Group, Trial, batch_buckets, choose, plan
 from .block import AlgorithmRejected
@@ -99,8 +100,8 @@ class CudnnEngine(Engine):
         from .block import BlockRunner, DeviceContext
         from .transfer import Converter, HostStaging
 
-        self._h_rows = self.spec.state_layers if self.spec.state_size else 0
-        self._c_rows = self.spec.cell_state_layers if self.spec.cell_state_size else 0
+        self._uniform_h = self.spec.state_size is not None
+        self._uniform_c = self.spec.cell_state_size is not None
         self._uniform_lengths: dict[tuple[int, int], tuple[tuple, np.ndarray, Any]] = {}
         self._plans: dict[tuple[int, int], list[Group]] = {}
         self._ctx = DeviceContext(self._lib, int(device_id))
@@ -244,36 +245,111 @@ class CudnnEngine(Engine):
         """
         if output_device not in OUTPUT_DEVICES:
             raise InvalidInput(f"output_device must be 'host' or 'device', got '{output_device}'")
-        if self._ctx is None:
-            raise EngineUnavailable("this cuDNN engine was closed")
-        cp = self._cp
-        on_device = isinstance(x, cp.ndarray)
-        if not on_device:
-            x = np.asarray(x)
-        b, t, lens = check_forward_args(self.spec, x, lengths, h0, c0, cp if on_device else np)
-        out_dtype = np.dtype(np.float16 if self.precision == "float16" and x.dtype == np.float16 else np.float32)
+        x, b, t, lens, out_dtype = self._check(x, lengths, h0, c0)
         with self._lock, self._ctx.device, self._ctx.stream:
             x_d, h0_d, c0_d = self._inputs(x, h0, c0)
-            key = (b, t)
-            groups = self._plans.get(key) if lengths is None else None
-            if groups is None:
-                groups = plan(self._table, b, t, lens)
-                if lengths is None and len(self._plans) < 1024:
-                    self._plans[key] = groups
-            if len(groups) == 1 and groups[0].rows is None:
-                g = groups[0]
-                if g.uniform:
-                    lens_key, lens_host, lens_dev = self._uniform(b, t)
-                else:
-                    lens_host = lens.astype(np.int32)
-                    lens_key, lens_dev = (b, t, lens_host.tobytes()), cp.asarray(lens_host)
-                y, hy, cy = self._run_blocks(x_d, b, t, lens_key, lens_host, lens_dev, h0_d, c0_d, g.algos,
-                                             g.seq_major)
-            else:
-                y, hy, cy = self._run_groups(groups, x_d, b, t, h0_d, c0_d)
+            y, hy, cy, _, _ = self._run(x_d, b, t, lens, lengths is None, self._block_views(h0_d, c0_d))
             return self._outputs(y, hy, cy, out_dtype, output_device)
 
+    def forward_blocks(self, x: Any, lengths: Any = None,
+                       states: Sequence[BlockState] | None = None) -> tuple[Any, list[BlockState]]:
+        """Per-block states (see :mod:`service.engines.base`), for any mix of state widths.
+
+        ``states`` may be NumPy or CuPy; the returned states are CuPy arrays in the
+        engine's output dtype that stay on the GPU (what stateful streams keep between
+        chunks); ``output`` is a host array as from :meth:`forward`.
+        """
+        x, b, t, lens, out_dtype = self._check(x, lengths, None, None)
+        if states is not None:
+            check_block_states(self.spec, states, b)
+        cp, conv = self._cp, self._conv
+        with self._lock, self._ctx.device, self._ctx.stream:
+            x_d, _, _ = self._inputs(x, None, None)
+            views = None
+            if states is not None:
+                views = [tuple(None if a is None else conv.to_store(cp.asarray(a).transpose(1, 0, 2)) for a in st)
+                         for st in states]
+            y, _, _, hys, cys = self._run(x_d, b, t, lens, lengths is None, views)
+            finals = [tuple(None if a is None else cp.ascontiguousarray(conv.from_store(a, out_dtype).transpose(1, 0, 2))
+                            for a in st) for st in zip(hys, cys)]
+            return self._outputs(y, None, None, out_dtype, "host").output, finals
+
+    def gather_states(self, parts: Sequence[Sequence[BlockState] | None], counts: Sequence[int]) -> list[BlockState]:
+        """One batch's per-block states as CuPy arrays, gathered on the engine's stream (see the base class)."""
+        cp = self._cp
+        with self._lock, self._ctx.device, self._ctx.stream:
+            return gather_block_states(self.spec, parts, counts, cp)
+
     # -- forward pieces ---------------------------------------------------------------------------
+
+    def _check(self, x, lengths, h0, c0):
+        if self._ctx is None:
+            raise EngineUnavailable("this cuDNN engine was closed")
+        on_device = isinstance(x, self._cp.ndarray)
+        if not on_device:
+            x = np.asarray(x)
+        b, t, lens = check_forward_args(self.spec, x, lengths, h0, c0, self._cp if on_device else np)
+        out_dtype = np.dtype(np.float16 if self.precision == "float16" and x.dtype == np.float16 else np.float32)
+        return x, b, t, lens, out_dtype
+
+    def _block_views(self, h0, c0):
+        """Per-block (h, c) row views of whole [R, n, Ho] / [Rc, n, H] device states, or None when neither."""
+        if h0 is None and c0 is None:
+            return None
+        views = []
+        row = crow = 0
+        for blk in self.spec.blocks:
+            rows = blk.pseudo_layers
+            c = None
+            if blk.cell == "lstm":
+                c = None if c0 is None else c0[crow:crow + rows]
+                crow += rows
+            views.append((None if h0 is None else h0[row:row + rows], c))
+            row += rows
+        return views
+
+    def _new_states(self, n):
+        """Output states for ``n`` sequences: (hy, cy) whole buffers (None when widths differ) and per-block views."""
+        cp, store = self._cp, self._prec.store
+        spec = self.spec
+        hy = cp.empty((spec.state_layers, n, spec.state_size), store) if self._uniform_h else None
+        cy = cp.empty((spec.cell_state_layers, n, spec.cell_state_size), store) if self._uniform_c else None
+        hys, cys = [], []
+        row = crow = 0
+        for blk in spec.blocks:
+            rows = blk.pseudo_layers
+            hys.append(hy[row:row + rows] if hy is not None else cp.empty((rows, n, blk.output_size), store))
+            row += rows
+            if blk.cell == "lstm":
+                cys.append(cy[crow:crow + rows] if cy is not None else cp.empty((rows, n, blk.hidden_size), store))
+                crow += rows
+            else:
+                cys.append(None)
+        return hy, cy, hys, cys
+
+    def _run(self, x_d, b, t, lens, uniform_lengths, states):
+        """Plan and run one call; returns (y, hy, cy, hys, cys): whole states (or None) and per-block views."""
+        cp = self._cp
+        key = (b, t)
+        groups = self._plans.get(key) if uniform_lengths else None
+        if groups is None:
+            groups = plan(self._table, b, t, lens)
+            if uniform_lengths and len(self._plans) < 1024:
+                self._plans[key] = groups
+        hy, cy, hys, cys = self._new_states(b)
+        if len(groups) == 1 and groups[0].rows is None:
+            g = groups[0]
+            if g.uniform:
+                lens_key, lens_host, lens_dev = self._uniform(b, t)
+            else:
+                lens_host = lens.astype(np.int32)
+                lens_key, lens_dev = (b, t, lens_host.tobytes()), cp.asarray(lens_host)
+            y, _, _ = self._run_blocks(x_d, b, t, lens_key, lens_host, lens_dev, states, g.algos, g.seq_major,
+                                       (hys, cys))
+        else:
+            y = self._run_groups(groups, x_d, b, t, states, hys, cys)
+        return y, hy, cy, hys, cys
+
 
     def _inputs(self, x, h0, c0):
         cp, conv = self._cp, self._conv
@@ -301,31 +377,24 @@ class CudnnEngine(Engine):
             hit = self._uniform_lengths[(n, t)] = ((n, t, None), host, self._cp.asarray(host))
         return hit
 
-    def _run_blocks(self, x, n, t, lens_key, lens_host, lens_dev, h0, c0, algos, seq_major=False):
-        """All blocks on one batch; returns (y [n,t,F], hy [R,n,Ho] | None, cy [Rc,n,H] | None) in storage dtype.
+    def _run_blocks(self, x, n, t, lens_key, lens_host, lens_dev, states, algos, seq_major=False, out=None):
+        """All blocks on one batch; returns (y [n,t,F], hys, cys) in storage dtype.
 
+        ``states`` is None (zeros) or per block (h [rows, n, Ho] | None, c [rows, n, H] | None);
+        ``out`` is (hys, cys), per-block buffers for the final states (allocated when None).
         With ``seq_major`` the blocks run on [t, n, F] buffers and y is a transposed view of one.
         """
         cp, store = self._cp, self._prec.store
-        item = store.itemsize
-        hy = cp.empty((self._h_rows, n, self.spec.state_size), store) if self._h_rows else None
-        cy = cp.empty((self._c_rows, n, self.spec.cell_state_size), store) if self._c_rows else None
-        row = crow = 0
+        hys, cys = out if out is not None else self._new_states(n)[2:]
         inp = cp.ascontiguousarray(x.transpose(1, 0, 2)) if seq_major else x
         lens_ptr = lens_dev.data.ptr
-        for runner, algo in zip(self._runners, algos):
-            spec = runner.spec
-            rows = spec.pseudo_layers
+        for k, (runner, algo) in enumerate(zip(self._runners, algos)):
+            h_in, c_in = states[k] if states is not None else (None, None)
             y = cp.empty((t, n, runner.out_features) if seq_major else (n, t, runner.out_features), store)
-            h_off = row * n * spec.output_size * item
-            hx_p = h0.data.ptr + h_off if h0 is not None else 0
-            hy_p = hy.data.ptr + h_off if hy is not None else 0
-            cx_p = cy_p = 0
-            if spec.cell == "lstm":
-                c_off = crow * n * spec.hidden_size * item
-                cx_p = c0.data.ptr + c_off if c0 is not None else 0
-                cy_p = cy.data.ptr + c_off if cy is not None else 0
-                crow += rows
+            hx_p = h_in.data.ptr if h_in is not None else 0
+            hy_p = hys[k].data.ptr
+            cx_p = c_in.data.ptr if c_in is not None else 0
+            cy_p = cys[k].data.ptr if cys[k] is not None else 0
             try:
                 runner.forward(algo, n, t, lens_key, lens_host, lens_ptr, inp.data.ptr, y.data.ptr,
                                hx_p, hy_p, cx_p, cy_p, seq_major)
@@ -336,36 +405,33 @@ class CudnnEngine(Engine):
                 # inside a bucket): run STANDARD instead, which accepts every shape.
                 runner.forward(L.ALGO_STANDARD, n, t, lens_key, lens_host, lens_ptr, inp.data.ptr, y.data.ptr,
                                hx_p, hy_p, cx_p, cy_p, seq_major)
-            row += rows
             inp = y
-        return (inp.transpose(1, 0, 2) if seq_major else inp), hy, cy
+        return (inp.transpose(1, 0, 2) if seq_major else inp), hys, cys
 
-    def _run_groups(self, groups: list[Group], x, b, t, h0, c0):
-        """Equal-length groups (see autotune.plan), each gathered, run and scattered back."""
+    def _run_groups(self, groups: list[Group], x, b, t, states, hys, cys):
+        """Equal-length groups (see autotune.plan), each gathered, run and scattered back into hys/cys."""
         cp, store = self._cp, self._prec.store
         y = cp.zeros((b, t, self.spec.output_size), store)
-        hy = cp.empty((self._h_rows, b, self.spec.state_size), store) if self._h_rows else None
-        cy = cp.empty((self._c_rows, b, self.spec.cell_state_size), store) if self._c_rows else None
         for g in groups:
             rows = g.rows if isinstance(g.rows, slice) else cp.asarray(g.rows)
             if isinstance(rows, slice) and g.steps == t:
                 xg = x[rows]
             else:
                 xg = cp.ascontiguousarray(x[rows, :g.steps])
-            h0g = None if h0 is None else cp.ascontiguousarray(h0[:, rows])
-            c0g = None if c0 is None else cp.ascontiguousarray(c0[:, rows])
+            states_g = None if states is None else [
+                tuple(None if a is None else cp.ascontiguousarray(a[:, rows]) for a in st) for st in states]
             lens_key, lens_host, lens_dev = self._uniform(g.n, g.steps)
-            yg, hyg, cyg = self._run_blocks(xg, g.n, g.steps, lens_key, lens_host, lens_dev, h0g, c0g, g.algos,
-                                            g.seq_major)
+            yg, hyg, cyg = self._run_blocks(xg, g.n, g.steps, lens_key, lens_host, lens_dev, states_g,
+                                            g.algos, g.seq_major)
             if g.steps == t:
                 y[rows] = yg
             else:
                 y[rows, :g.steps] = yg
-            if hy is not None:
-                hy[:, rows] = hyg
-            if cy is not None:
-                cy[:, rows] = cyg
-        return y, hy, cy
+            for k in range(len(hys)):
+                hys[k][:, rows] = hyg[k]
+                if cys[k] is not None:
+                    cys[k][:, rows] = cyg[k]
+        return y
 
     def _outputs(self, y, hy, cy, out_dtype, output_device) -> EngineOutput:
         cp, conv = self._cp, self._conv

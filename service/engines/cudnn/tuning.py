@@ -102,7 +102,7 @@ def tune_layouts(table, run_blocks, uniform, conv: Converter, input_size: int, s
         for seq_major in (False, True):
             name = "seq_major" if seq_major else "batch_major"
             try:
-                ms = time_call(lambda: run_blocks(x, bucket, steps, *lens, None, None, algos, seq_major), stream)
+                ms = time_call(lambda: run_blocks(x, bucket, steps, *lens, None, algos, seq_major), stream)
                 times[f"{name}_ms"] = round(ms, 4)
             except (L.CudnnError, AlgorithmRejected) as exc:
                 times[f"{name}_error"] = str(exc)[:200]

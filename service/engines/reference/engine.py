@@ -7,14 +7,15 @@ so each step touches contiguous rows.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from ...errors import InvalidInput
 from ...packing import unpack_block
 from ...repository import PackedModel
-from ..base import Engine, EngineOutput, check_forward_args
+from ..base import (BlockState, Engine, EngineOutput, check_block_states, check_forward_args,
+                    split_block_states, stack_block_states)
 from .cells import DirectionParams, prepare
 
 
@@ -50,32 +51,52 @@ class ReferenceEngine(Engine):
         """Run the model; see :mod:`service.engines.base` for shapes."""
         x = np.asarray(x)
         b, t, lens = check_forward_args(self.spec, x, lengths, h0, c0)
+        states = split_block_states(self.spec, h0, c0) if h0 is not None or c0 is not None else None
+        output, finals = self._run(x, lens, states)
+        h_n, c_n = stack_block_states(self.spec, finals)
+        return EngineOutput(output, h_n, c_n)
+
+    def forward_blocks(self, x: Any, lengths: Any = None,
+                       states: Sequence[BlockState] | None = None) -> tuple[Any, list[BlockState]]:
+        """Per-block states in and out (see :mod:`service.engines.base`); any mix of state widths."""
+        x = np.asarray(x)
+        b, _, lens = check_forward_args(self.spec, x, lengths, None, None)
+        if states is not None:
+            check_block_states(self.spec, states, b)
+        return self._run(x, lens, states)
+
+    def _run(self, x: np.ndarray, lens: np.ndarray,
+             states: Sequence[BlockState] | None) -> tuple[np.ndarray, list[BlockState]]:
+        """All blocks; ``states[k]`` (h, c) of block k or None (zeros) per block or for all."""
+        b, t = x.shape[0], x.shape[1]
         order = np.argsort(-lens, kind="stable")
         inverse = np.argsort(order)
         lens_sorted = lens[order]
         active = (lens_sorted[None, :] > np.arange(t)[:, None]).sum(axis=1)
         seq = np.ascontiguousarray(x[order].transpose(1, 0, 2), dtype=self.dtype)
-        h0s = None if h0 is None else np.asarray(h0, dtype=self.dtype)[order]
-        c0s = None if c0 is None else np.asarray(c0, dtype=self.dtype)[order]
 
-        h_rows: list[np.ndarray] = []
-        c_rows: list[np.ndarray] = []
-        row = crow = 0
-        for blk, params in zip(self.spec.blocks, self._params):
+        finals: list[BlockState] = []
+        for k, (blk, params) in enumerate(zip(self.spec.blocks, self._params)):
             d_count, ho, h = blk.directions, blk.output_size, blk.hidden_size
+            h_in, c_in = states[k] if states is not None else (None, None)
+            h0s = None if h_in is None else np.asarray(h_in, dtype=self.dtype)[order]
+            c0s = None if c_in is None else np.asarray(c_in, dtype=self.dtype)[order]
+            h_rows: list[np.ndarray] = []
+            c_rows: list[np.ndarray] = []
             for layer in range(blk.num_layers):
                 outs = []
                 for d in range(d_count):
-                    prm = params[layer * d_count + d]
+                    p = layer * d_count + d
+                    prm = params[p]
                     backwards = d == 1 or bool(blk.variant.get("reverse"))
                     inp = reverse_within_lengths(seq, lens_sorted) if backwards else seq
                     # One 2-D GEMM for every step: a 3-D matmul would loop over T in NumPy.
                     xp = (inp.reshape(t * b, -1) @ prm.wt).reshape(t, b, -1)
                     xp += prm.bias_x
-                    hs = np.zeros((b, ho), self.dtype) if h0s is None else h0s[:, row].copy()
+                    hs = np.zeros((b, ho), self.dtype) if h0s is None else h0s[:, p].copy()
                     cs = None
                     if blk.cell == "lstm":
-                        cs = np.zeros((b, h), self.dtype) if c0s is None else c0s[:, crow].copy()
+                        cs = np.zeros((b, h), self.dtype) if c0s is None else c0s[:, p].copy()
                     out = np.zeros((t, b, ho), self.dtype)
                     for step in range(t):
                         n = int(active[step])
@@ -83,13 +104,11 @@ class ReferenceEngine(Engine):
                         out[step, :n] = hs[:n]
                     outs.append(reverse_within_lengths(out, lens_sorted) if backwards else out)
                     h_rows.append(hs)
-                    row += 1
                     if cs is not None:
                         c_rows.append(cs)
-                        crow += 1
                 seq = outs[0] if d_count == 1 else np.concatenate(outs, axis=2)
+            finals.append((np.stack(h_rows, axis=1)[inverse],
+                           np.stack(c_rows, axis=1)[inverse] if c_rows else None))
 
         output = seq.transpose(1, 0, 2)[inverse]
-        h_n = np.stack(h_rows, axis=1)[inverse] if self.spec.state_size else None
-        c_n = np.stack(c_rows, axis=1)[inverse] if c_rows and self.spec.cell_state_size else None
-        return EngineOutput(np.ascontiguousarray(output), h_n, c_n)
+        return np.ascontiguousarray(output), finals
