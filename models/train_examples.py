@@ -95,8 +95,8 @@ def train_classifier(out_dir: Path) -> Path:
 
 
 CONFIGS = {
-    "forecaster": {"max_batch_size": 64, "max_queue_delay_us": 500},
-    "wave_classifier": {"max_batch_size": 64, "max_queue_delay_us": 500},
+    "forecaster": {"max_batch_size": 64},
+    "wave_classifier": {"max_batch_size": 64},
 }
 
 

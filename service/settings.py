@@ -36,7 +36,9 @@ class ServeSettings(BaseSettings):
     )
     max_batch_size: int = Field(64, ge=1, le=65536, description="Default most sequences per engine call.")
     max_queue_delay_us: int = Field(
-        500, ge=0, le=10_000_000, description="Default time the oldest waiting request may wait for a fuller batch (µs)."
+        0, ge=0, le=10_000_000,
+        description="Default time the oldest waiting request may wait for a fuller batch (µs); 0 (Triton's default) "
+                    "starts a batch as soon as the engine is free, and requests arriving meanwhile form the next one.",
     )
     max_queue_size: int = Field(1024, ge=1, description="Default requests waiting per model; more get 503 at once.")
     max_sequence_length: int = Field(100_000, ge=1, description="Default longest T accepted per request.")

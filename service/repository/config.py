@@ -21,7 +21,10 @@ class ModelConfig(BaseModel):
 
     max_batch_size: int = Field(64, ge=1, le=65536, description="Most sequences the scheduler runs in one engine call.")
     max_queue_delay_us: int = Field(
-        500, ge=0, le=10_000_000, description="How long the first waiting request may wait for others to batch with, in µs."
+        0, ge=0, le=10_000_000,
+        description="How long the oldest waiting request may wait for others to batch with, in µs. 0 (the default, "
+                    "as in Triton) runs a batch as soon as the engine is free; under load, requests that arrive "
+                    "while a batch computes form the next batch, so batching needs no added latency.",
     )
     max_queue_size: int = Field(
         1024, ge=1, description="Requests waiting at most; more are refused at once with UNAVAILABLE (503)."

@@ -11,6 +11,9 @@ Batching policy
 * Window: a batch runs when the waiting requests hold ``max_batch_size`` sequences,
   or when the oldest has waited ``max_queue_delay_us``, whichever comes first. While a
   batch computes, new requests wait; the next batch is formed as soon as it finishes.
+  The default delay is 0: a lone request never waits for company (no added latency at
+  low load), and under load the queue fills while the engine computes, which batches
+  as well as a delay would; measured in bench/serve.py.
 * Grouping by length: when more sequences wait than fit in one batch, the waiting
   requests are ordered by their longest length and the batch is grown from the
   *oldest* request towards its nearest neighbours in length. Long sequences thus
