@@ -198,6 +198,26 @@ def grpc_sender(client, model: str):
     return send
 
 
+def engine_alone_ms(repo: Path, device: str, seqs: list[np.ndarray], repeats: int = 5) -> float:
+    """Median time of the engine itself on each single request's sequence, in this process.
+
+    The service's own cost at concurrency 1 is the request's p50 latency minus this.
+    """
+    from service import create_engine
+    from service.repository import load_model
+
+    engine = create_engine(load_model(repo / "bench"), device)
+    times = []
+    for x in seqs:
+        engine.forward(x)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            engine.forward(x)
+            times.append(time.perf_counter() - t0)
+    engine.close()
+    return float(np.median(times)) * 1e3
+
+
 async def bench(args: argparse.Namespace, http_url: str, grpc_url: str | None, models: list[str]) -> list[dict]:
     # aiohttp, not httpx: httpx's pool costs more CPU than the server at 64 connections on 2 cores.
     import aiohttp
@@ -227,7 +247,8 @@ async def bench(args: argparse.Namespace, http_url: str, grpc_url: str | None, m
                             send = http_sender(session, http_url, model, protocol == "http-binary")
                         res = await run_cell(send, payloads[protocol], conc, args.duration, args.warmup)
                         row = {"protocol": protocol, "model": model,
-                               "batching": "off" if model.endswith("_nobatch") else "on", "concurrency": conc, **res}
+                               "batching": "off" if model.endswith("_nobatch") else "on", "concurrency": conc, **res,
+                               "engine_ms": args.engine_ms if conc == 1 else None}
                         rows.append(row)
                         print(_format_row(row), flush=True)
         finally:
@@ -336,12 +357,13 @@ async def _ready(http_url: str) -> None:
 def _format_row(r: dict) -> str:
     p50 = f"{r['p50_ms']:.1f}" if r["p50_ms"] is not None else "-"
     p99 = f"{r['p99_ms']:.1f}" if r["p99_ms"] is not None else "-"
+    extra = f"{r['p50_ms'] - r['engine_ms']:.2f}" if r.get("engine_ms") is not None and r["p50_ms"] is not None else "-"
     return (f"| {r['protocol']:<11} | {r['batching']:<8} | {r['concurrency']:>4} | {r['throughput_rps']:>9.1f} | "
-            f"{p50:>8} | {p99:>8} | {r['errors']:>6} |")
+            f"{p50:>8} | {p99:>8} | {extra:>13} | {r['errors']:>6} |")
 
 
-TABLE_HEAD = ("| protocol    | batching | conc |     req/s |  p50 ms  |  p99 ms  | errors |\n"
-              "|-------------|----------|-----:|----------:|---------:|---------:|-------:|")
+TABLE_HEAD = ("| protocol    | batching | conc |     req/s |  p50 ms  |  p99 ms  | p50 - engine | errors |\n"
+              "|-------------|----------|-----:|----------:|---------:|---------:|-------------:|-------:|")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,6 +416,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rnnserve bench: LSTM I={args.features} H={args.hidden} L={args.layers}, lengths "
                   f"{args.min_len}..{args.max_len}, output_last, {args.duration:.0f}s per cell, "
                   f"{os.cpu_count()} CPUs, device {args.device}, server {http_url} (gRPC {grpc_url or 'off'})")
+            args.engine_ms = None
+            if tmp is not None:
+                seqs = make_sequences(args.pool, args.features, args.min_len, args.max_len)
+                args.engine_ms = engine_alone_ms(repo, args.device, seqs)
+                print(f"engine alone ({args.device}), one sequence per call: p50 {args.engine_ms:.3f} ms; "
+                      f"'p50 - engine' is what the service adds at concurrency 1")
             print(TABLE_HEAD, flush=True)
             rows = asyncio.run(bench(args, http_url, grpc_url, models))
         if args.scenario in ("all", "streams"):
