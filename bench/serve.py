@@ -134,6 +134,13 @@ def binary_body(x: np.ndarray) -> tuple[bytes, int]:
 
 async def run_cell(send, payloads: list, concurrency: int, duration: float, warmup: float) -> dict:
     """``concurrency`` closed-loop workers call ``send(payload)`` for ``duration`` seconds after ``warmup``."""
+    latencies, errors = await run_cell_raw(send, payloads, concurrency, duration, warmup)
+    return _summary(latencies, errors, duration)
+
+
+async def run_cell_raw(send, payloads: list, concurrency: int, duration: float,
+                       warmup: float) -> tuple[list[float], int]:
+    """``concurrency`` closed-loop workers call ``send(payload)`` for ``duration`` seconds after ``warmup``."""
     latencies: list[float] = []
     errors = 0
     start = time.perf_counter()
@@ -161,13 +168,7 @@ async def run_cell(send, payloads: list, concurrency: int, duration: float, warm
             i += concurrency
 
     await asyncio.gather(*(worker(k) for k in range(concurrency)))
-    lat = np.asarray(latencies) * 1000
-    return {
-        "requests": len(latencies), "errors": errors,
-        "throughput_rps": len(latencies) / duration,
-        "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
-        "p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
-    }
+    return latencies, errors
 
 
 def http_sender(session, url: str, model: str, binary: bool):
@@ -218,42 +219,81 @@ def engine_alone_ms(repo: Path, device: str, seqs: list[np.ndarray], repeats: in
     return float(np.median(times)) * 1e3
 
 
-async def bench(args: argparse.Namespace, http_url: str, grpc_url: str | None, models: list[str]) -> list[dict]:
-    # aiohttp, not httpx: httpx's pool costs more CPU than the server at 64 connections on 2 cores.
+def _summary(latencies: list[float], errors: int, duration: float) -> dict:
+    lat = np.asarray(latencies) * 1000
+    return {
+        "requests": len(latencies), "errors": errors,
+        "throughput_rps": len(latencies) / duration,
+        "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
+        "p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
+    }
+
+
+async def _client_cell(cell: dict) -> tuple[list[float], int]:
+    """One load-generating process's share of a cell: (latencies in s, errors)."""
     import aiohttp
 
-    seqs = make_sequences(args.pool, args.features, args.min_len, args.max_len)
-    payloads = {"http-json": [json_body(x) for x in seqs], "http-binary": [binary_body(x) for x in seqs],
-                "grpc": seqs}
-    rows = []
-    connector = aiohttp.TCPConnector(limit=max(args.concurrency) + 4)
+    seqs = make_sequences(cell["pool"], cell["features"], cell["min_len"], cell["max_len"], seed=cell["seed"])
+    protocol = cell["protocol"]
+    payloads = {"http-json": lambda: [json_body(x) for x in seqs],
+                "http-binary": lambda: [binary_body(x) for x in seqs], "grpc": lambda: seqs}[protocol]()
+    connector = aiohttp.TCPConnector(limit=cell["concurrency"] + 4)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
-        await wait_ready(session, http_url)
-        grpc_client = None
-        if "grpc" in args.protocols and grpc_url:
+        if protocol == "grpc":
             import tritonclient.grpc.aio as tga
 
-            grpc_client = tga.InferenceServerClient(grpc_url)
-        try:
-            for protocol in args.protocols:
-                if protocol == "grpc" and grpc_client is None:
-                    print("skipping gRPC: the server has no gRPC port", file=sys.stderr)
-                    continue
-                for model in models:
-                    for conc in args.concurrency:
-                        if protocol == "grpc":
-                            send = grpc_sender(grpc_client, model)
-                        else:
-                            send = http_sender(session, http_url, model, protocol == "http-binary")
-                        res = await run_cell(send, payloads[protocol], conc, args.duration, args.warmup)
-                        row = {"protocol": protocol, "model": model,
-                               "batching": "off" if model.endswith("_nobatch") else "on", "concurrency": conc, **res,
-                               "engine_ms": args.engine_ms if conc == 1 else None}
-                        rows.append(row)
-                        print(_format_row(row), flush=True)
-        finally:
-            if grpc_client is not None:
-                await grpc_client.close()
+            client = tga.InferenceServerClient(cell["grpc_url"])
+            try:
+                return await run_cell_raw(grpc_sender(client, cell["model"]), payloads, cell["concurrency"],
+                                          cell["duration"], cell["warmup"])
+            finally:
+                await client.close()
+        send = http_sender(session, cell["http_url"], cell["model"], protocol == "http-binary")
+        return await run_cell_raw(send, payloads, cell["concurrency"], cell["duration"], cell["warmup"])
+
+
+def _client_process(cell: dict) -> tuple[list[float], int]:
+    return asyncio.run(_client_cell(cell))
+
+
+def run_distributed(cell: dict, clients: int) -> dict:
+    """Run a cell from ``clients`` processes (concurrency split between them), so that the
+    Python client is not what limits the measurement on a machine with cores to spare."""
+    import multiprocessing as mp
+
+    clients = max(1, min(clients, cell["concurrency"]))
+    shares = [cell["concurrency"] // clients + (1 if k < cell["concurrency"] % clients else 0) for k in range(clients)]
+    cells = [{**cell, "concurrency": n, "seed": cell["seed"] + k} for k, n in enumerate(shares)]
+    if clients == 1:
+        results = [_client_process(cells[0])]
+    else:
+        with mp.get_context("spawn").Pool(clients) as pool:
+            results = pool.map(_client_process, cells)
+    latencies = [lat for lats, _ in results for lat in lats]
+    return _summary(latencies, sum(e for _, e in results), cell["duration"])
+
+
+async def bench(args: argparse.Namespace, http_url: str, grpc_url: str | None, models: list[str]) -> list[dict]:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        await wait_ready(session, http_url)
+    rows = []
+    for protocol in args.protocols:
+        if protocol == "grpc" and not grpc_url:
+            print("skipping gRPC: the server has no gRPC port", file=sys.stderr)
+            continue
+        for model in models:
+            for conc in args.concurrency:
+                cell = {"protocol": protocol, "model": model, "concurrency": conc, "http_url": http_url,
+                        "grpc_url": grpc_url, "pool": args.pool, "features": args.features, "min_len": args.min_len,
+                        "max_len": args.max_len, "seed": 1, "duration": args.duration, "warmup": args.warmup}
+                res = await asyncio.to_thread(run_distributed, cell, args.clients)
+                row = {"protocol": protocol, "model": model, "batching": "off" if model.endswith("_nobatch") else "on",
+                       "concurrency": conc, "clients": min(args.clients, conc), **res,
+                       "engine_ms": args.engine_ms if conc == 1 else None}
+                rows.append(row)
+                print(_format_row(row), flush=True)
     return rows
 
 
@@ -383,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=3.0, help="measured seconds per cell (default 3)")
     p.add_argument("--warmup", type=float, default=0.5, help="unmeasured seconds per cell (default 0.5)")
     p.add_argument("--pool", type=int, default=64, help="distinct pre-built requests (default 64)")
+    p.add_argument("--clients", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
+                   help="load-generating processes per cell, concurrency split between them (default: half the "
+                        "CPUs, at most 8), so that the Python client is not the bottleneck")
     p.add_argument("--scenario", choices=["all", "requests", "streams"], default="all",
                    help="requests (one-shot sequences), streams (stateful vs stateless chunks), or all (default)")
     p.add_argument("--streams", type=lambda s: [int(c) for c in s.split(",")], default=[1, 16, 256],

@@ -100,7 +100,7 @@ class CudnnError(RNNServeError):
 class CudnnLibrary:
     """The loaded library: every function in ``_PROTOTYPES`` becomes a method that raises CudnnError."""
 
-    def __init__(self, lib: ctypes.CDLL, path: str) -> None:
+    def __init__(self, lib: ctypes.CDLL, path: str) -> None:  # CDLL or PyDLL
         self._lib = lib
         self.path = path
         lib.cudnnGetVersion.restype = c_size_t
@@ -197,7 +197,11 @@ def load_library(candidates: list[tuple[str, str]] | None = None) -> CudnnLibrar
                             ctypes.CDLL(sib_path, mode=ctypes.RTLD_GLOBAL)
                         except OSError:
                             pass
-            lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            # PyDLL keeps the GIL during calls: every cuDNN call made here is host-side descriptor
+            # work or an asynchronous launch (microseconds), and releasing the GIL around each one
+            # lets a busy event loop thread take it, so the engine thread waits for the switch
+            # interval on every call.
+            lib = ctypes.PyDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError as exc:
             tried.append(f"{where}: {path}: {exc}")
             continue
