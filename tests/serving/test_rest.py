@@ -230,6 +230,14 @@ async def test_v1_predict_ragged(repo):
             assert r.status_code == 400 and message in r.json()["error"], (body, r.text)
         r = await client.post("/v1/models/nope:predict", json={"instances": [[[1, 2, 3, 4]]]})
         assert r.status_code == 404
+        # curl -d sends application/x-www-form-urlencoded; the JSON body is still read
+        r = await client.post("/v1/models/gru_bi:predict", content=b'{"instances": [[[1, 2, 3, 4]]]}',
+                              headers={"content-type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 200 and len(r.json()["predictions"]) == 1
+        r = await client.post("/v1/models/gru_bi:predict", content=b'{"instances": [[[1, 2, 3, 4]]')
+        assert r.status_code == 400 and "invalid request body" in r.json()["error"]
+        schema = (await client.get("/openapi.json")).json()["paths"]["/v1/models/{model}:predict"]["post"]
+        assert "instances" in schema["requestBody"]["content"]["application/json"]["schema"]["properties"]
         docs = (await client.get("/openapi.json")).json()
         assert "/v1/models/{model}:predict" in docs["paths"] and "/v2/models/{model}/infer" in docs["paths"]
         assert (await client.get("/docs")).status_code == 200

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import __version__
@@ -146,14 +147,24 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
             content, headers = encode_response(resp, req.parameters)
         return Response(content, headers=headers)
 
+    # The body is parsed here rather than by FastAPI so that `curl -d` without a JSON
+    # content type (curl's default is form-urlencoded) still works.
     @app.post("/v1/models/{model}:predict", tags=["inference"], response_model=PredictResponse,
-              summary="Predict on ragged sequences (simple JSON)")
-    async def predict(model: str, body: PredictRequest) -> dict[str, Any]:
+              summary="Predict on ragged sequences (simple JSON)",
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  "application/json": {"schema": PredictRequest.model_json_schema()}}}})
+    async def predict(model: str, request: Request) -> dict[str, Any]:
         """Run each instance (a list of feature vectors, any length) and return its outputs.
 
         `output_last` is the output at the sequence's last step (many-to-one); `output` has
         one row per step of that instance.
         """
+        raw = await _read_body(request, max_request_bytes)
+        try:
+            body = PredictRequest.model_validate_json(raw)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
+            raise InvalidInput(f"invalid request body: {problems}") from None
         req = to_infer_request(model, body)
         resp = await dataplane.infer(req)
         return to_predictions(resp, [len(s) for s in body.instances])
