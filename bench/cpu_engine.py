@@ -34,14 +34,17 @@ def packed_from_torch(mod, cell: str) -> PackedModel:
     return PackedModel(RNNSpec((spec,)), [pack_block(spec, layers)])
 
 
-def timeit(fn, repeats: int) -> float:
-    fn()
-    samples = []
+def timeit_pair(ours, theirs, repeats: int) -> tuple[float, float]:
+    """Median ms of each, measured alternately so that a noisy neighbour hits both sides alike."""
+    ours()
+    theirs()
+    a, b = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e3
+        for fn, samples in ((ours, a), (theirs, b)):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+    return statistics.median(a) * 1e3, statistics.median(b) * 1e3
 
 
 def main() -> int:
@@ -49,14 +52,14 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--time", type=int, default=100)
     ap.add_argument("--out", type=Path, default=Path("bench/results/cpu_engine.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
     print(f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {args.threads}, "
-          f"T={args.time}, float32, median of {args.repeats}")
+          f"T={args.time}, float32, median of {args.repeats}, alternating")
     print(f"{'cell':<5}{'H':>6}{'L':>3}{'B':>5}{'rnnserve ms':>13}{'torch ms':>10}{'speed vs torch':>16}")
     for cell, module in (("lstm", torch.nn.LSTM), ("gru", torch.nn.GRU)):
         for hidden in (128, 512):
@@ -67,9 +70,8 @@ def main() -> int:
                 for batch in (1, 16, 64):
                     x = np.random.default_rng(0).standard_normal((batch, args.time, hidden)).astype(np.float32)
                     xt = torch.from_numpy(x)
-                    ours = timeit(lambda: engine.forward(x), args.repeats)
                     with torch.inference_mode():
-                        theirs = timeit(lambda: mod(xt), args.repeats)
+                        ours, theirs = timeit_pair(lambda: engine.forward(x), lambda: mod(xt), args.repeats)
                     ratio = theirs / ours
                     rows.append({"cell": cell, "hidden": hidden, "layers": layers, "batch": batch, "time": args.time,
                                  "rnnserve_ms": ours, "torch_ms": theirs, "speed_vs_torch": ratio})
