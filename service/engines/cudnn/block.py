@@ -62,11 +62,11 @@ class BlockRunner:
         self.spec = spec
         self.prec = prec
         lib = ctx.lib
-        self.descs: dict[int, RNNDescriptor] = {}
-        self.dynamic: dict[int, RNNDescriptor] = {}
+        self.descs: dict[tuple[int, bool], RNNDescriptor] = {}       # (algo, padded IO)
+        self.dynamic: dict[tuple[int, bool], RNNDescriptor] = {}     # (batch, padded IO), PERSIST_DYNAMIC
         self.rejected: dict[int, str] = {}
-        self.descs[L.ALGO_STANDARD] = RNNDescriptor(ctx.handle, spec, L.ALGO_STANDARD, prec)
-        self.weights = upload_weights(ctx.handle, self.descs[L.ALGO_STANDARD], spec, flat, prec, ctx.stream,
+        self.descs[(L.ALGO_STANDARD, True)] = RNNDescriptor(ctx.handle, spec, L.ALGO_STANDARD, prec)
+        self.weights = upload_weights(ctx.handle, self.descs[(L.ALGO_STANDARD, True)], spec, flat, prec, ctx.stream,
                                       force_per_matrix)
         self.x_desc = DataDescriptor(lib, prec.data_type, spec.input_size)
         self.y_desc = DataDescriptor(lib, prec.data_type, spec.directions * spec.output_size)
@@ -77,28 +77,31 @@ class BlockRunner:
     def out_features(self) -> int:
         return self.spec.directions * self.spec.output_size
 
-    def descriptor(self, algo: int, batch: int) -> RNNDescriptor:
-        """The descriptor for ``algo`` (PERSIST_DYNAMIC: built for exactly ``batch``), made on first use."""
+    def descriptor(self, algo: int, batch: int, padded: bool = True) -> RNNDescriptor:
+        """The descriptor for ``algo`` (PERSIST_DYNAMIC: built for exactly ``batch``), made on first use.
+
+        ``padded=False`` is the descriptor for packed sequence-major IO (all lengths equal).
+        """
         if algo == L.ALGO_PERSIST_DYNAMIC:
-            desc = self.dynamic.get(batch)
+            desc = self.dynamic.get((batch, padded))
             if desc is None:
-                desc = self._new(algo)
+                desc = self._new(algo, padded)
                 try:
                     desc.build_dynamic(batch)
                 except Exception:
                     desc.close()
                     raise
-                self.dynamic[batch] = desc
+                self.dynamic[(batch, padded)] = desc
             return desc
-        desc = self.descs.get(algo)
+        desc = self.descs.get((algo, padded))
         if desc is None:
-            desc = self.descs[algo] = self._new(algo)
+            desc = self.descs[(algo, padded)] = self._new(algo, padded)
         return desc
 
-    def _new(self, algo: int) -> RNNDescriptor:
+    def _new(self, algo: int, padded: bool = True) -> RNNDescriptor:
         if algo in self.rejected:
             raise AlgorithmRejected(self.rejected[algo])
-        desc = RNNDescriptor(self.ctx.handle, self.spec, algo, self.prec)
+        desc = RNNDescriptor(self.ctx.handle, self.spec, algo, self.prec, padded)
         if not weights_match(self.ctx.handle, desc, self.spec, self.weights, self.prec):
             desc.close()
             self.rejected[algo] = f"{L.ALGO_NAMES[algo]} lays out weights differently from standard"
@@ -113,10 +116,12 @@ class BlockRunner:
         """
         lib = self.ctx.lib
         handle = self.ctx.handle.ptr
-        desc = self.descriptor(algo, batch)
+        # Equal lengths in sequence-major order: packed IO without padding, as PyTorch runs it.
+        packed = seq_major and lens_key[-1] is None
+        desc = self.descriptor(algo, batch, padded=not packed)
         key = (seq_major, lens_key)
-        self.x_desc.set(key, batch, steps, lens_host, seq_major)
-        self.y_desc.set(key, batch, steps, lens_host, seq_major)
+        self.x_desc.set(key, batch, steps, lens_host, seq_major, packed)
+        self.y_desc.set(key, batch, steps, lens_host, seq_major, packed)
         hdesc, cdesc = self.states.get(batch)
         # The workspace cuDNN asks for depends on the lengths, not only on (batch, steps): sizes are
         # cached for equal-length batches and asked for on every ragged call.

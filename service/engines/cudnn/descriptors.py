@@ -85,10 +85,11 @@ class Handle:
 class RNNDescriptor:
     """One block's cuDNN RNN descriptor for one algorithm (and, for PERSIST_DYNAMIC, one batch)."""
 
-    def __init__(self, handle: Handle, spec: BlockSpec, algo: int, prec: Precision) -> None:
+    def __init__(self, handle: Handle, spec: BlockSpec, algo: int, prec: Precision, padded: bool = True) -> None:
         self.lib = handle.lib
         self.handle = handle
         self.algo = algo
+        self.padded = padded
         self.ptr = _create(self.lib, "RNNDescriptor")
         try:
             self.lib.cudnnSetRNNDescriptor_v8(
@@ -96,7 +97,7 @@ class RNNDescriptor:
                 L.DIR_BIDIRECTIONAL if spec.bidirectional else L.DIR_UNIDIRECTIONAL, L.INPUT_LINEAR,
                 prec.data_type, prec.math_prec, prec.math_type,
                 spec.input_size, spec.hidden_size, spec.output_size, spec.num_layers,
-                handle.dropout, L.PADDED_IO_ENABLED,
+                handle.dropout, L.PADDED_IO_ENABLED if padded else L.PADDED_IO_DISABLED,
             )
         except L.CudnnError:
             self.close()
@@ -164,12 +165,20 @@ class DataDescriptor:
         self.ptr = _create(lib, "RNNDataDescriptor")
         self.key: object = None
 
-    def set(self, key: object, batch: int, steps: int, lengths: np.ndarray, seq_major: bool = False) -> None:
-        """``lengths`` is a host int32 array of ``batch`` values; ``key`` identifies (lengths, layout) cheaply."""
+    def set(self, key: object, batch: int, steps: int, lengths: np.ndarray, seq_major: bool = False,
+            packed: bool = False) -> None:
+        """``lengths`` is a host int32 array of ``batch`` values; ``key`` identifies (lengths, layout) cheaply.
+
+        ``packed`` (sequence-major, every length equal to ``steps``) is the same memory as the
+        unpacked layout, described the way PyTorch describes it, with padded IO off.
+        """
         if key == self.key:
             return
         self.key = None
-        layout = L.LAYOUT_SEQ_MAJOR_UNPACKED if seq_major else L.LAYOUT_BATCH_MAJOR_UNPACKED
+        if packed:
+            layout = L.LAYOUT_SEQ_MAJOR_PACKED
+        else:
+            layout = L.LAYOUT_SEQ_MAJOR_UNPACKED if seq_major else L.LAYOUT_BATCH_MAJOR_UNPACKED
         self.lib.cudnnSetRNNDataDescriptor(self.ptr, self.data_type, layout, steps, batch,
                                            self.vector_size, lengths.ctypes.data, ctypes.addressof(_ZERO_FILL))
         self.key = key
