@@ -73,8 +73,21 @@ def _inspect(args: argparse.Namespace) -> int:
         for name, arr in model.block_extras(k).items():
             print(f"  extra {name}: shape {list(arr.shape)}")
     if engine_info is not None:
-        print(f"\nengine: {json.dumps(engine_info, indent=2, default=str)}")
+        _print_engine(engine_info)
     return 0
+
+
+def _print_engine(info: dict) -> None:
+    """Engine facts; for the cuDNN engine, the algorithm the autotuner chose per block and batch bucket."""
+    algos = info.get("algorithms") or []
+    rest = {k: v for k, v in info.items() if k not in ("algorithms", "layouts")}
+    print(f"\nengine: {', '.join(f'{k}={v}' for k, v in rest.items() if not isinstance(v, (list, dict)))}")
+    layouts = {row.get("bucket"): row.get("layout") for row in info.get("layouts") or []}
+    for block in algos:
+        print(f"  block {block.get('block')}: {'bucket':>6}  {'algorithm':<24}{'ms (T=tune steps)':>18}  io layout")
+        for row in block.get("buckets", []):
+            print(f"  {'':9}{row.get('bucket'):>6}  {row.get('algo'):<24}{row.get('time_ms', 0):>18.4f}  "
+                  f"{layouts.get(row.get('bucket'), '-')}")
 
 
 def build_parser() -> argparse.ArgumentParser:
