@@ -174,7 +174,6 @@ def serve_main(argv: list[str]) -> int:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
     logging.getLogger().setLevel(settings.log_level.upper())
-    sys.setswitchinterval(settings.gil_switch_interval_us / 1e6)
     try:
         return asyncio.run(serve(settings))
     except RNNServeError as exc:

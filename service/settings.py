@@ -53,11 +53,6 @@ class ServeSettings(BaseSettings):
     )
     drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM/SIGINT, how long in-flight requests may finish.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
-    gil_switch_interval_us: int = Field(
-        200, ge=50, le=100_000,
-        description="Python's thread switch interval (µs). The engine thread hands the GIL back and forth with the "
-                    "busy event loop on every device copy; Python's 5000 µs default makes it wait up to 5 ms each time.",
-    )
 
     @classmethod
     def from_args(cls, argv: list[str]) -> "ServeSettings":
