@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from types import SimpleNamespace
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,6 +82,12 @@ class Scheduler:
         self._task: asyncio.Task | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._labels = {"model": model, "version": version}
+        # Label lookups take a lock and hash the labels: bind this model's counters and histograms
+        # once. Gauges are looked up each time: an unload (or a reload's old copy) removes them.
+        self._series = None if metrics is None else SimpleNamespace(**{
+            name: getattr(metrics, name).labels(**self._labels)
+            for name in ("batch_failures", "compute_duration", "batch_size", "batch_timesteps",
+                         "computed_timesteps", "useful_timesteps", "queue_duration")})
 
     @property
     def depth(self) -> int:
@@ -239,21 +246,21 @@ class Scheduler:
                     f"model '{self.model}' version {self.version} failed on a batch of {sequences} sequences: "
                     f"{type(exc).__name__}: {exc}"
                 )
-            if self._metrics is not None:
-                self._metrics.batch_failures.labels(**self._labels).inc()
+            if self._series is not None:
+                self._series.batch_failures.inc()
             for item in batch:
                 self._finish(item, error)
             return
         elapsed = time.perf_counter() - start
-        if self._metrics is not None:
-            m, lab = self._metrics, self._labels
-            m.compute_duration.labels(**lab).observe(elapsed)
-            m.batch_size.labels(**lab).observe(merged.x.shape[0])
-            m.batch_timesteps.labels(**lab).observe(merged.x.shape[1])
-            m.computed_timesteps.labels(**lab).inc(merged.computed_steps)
-            m.useful_timesteps.labels(**lab).inc(merged.useful_steps)
+        if self._series is not None:
+            m = self._series
+            m.compute_duration.observe(elapsed)
+            m.batch_size.observe(merged.x.shape[0])
+            m.batch_timesteps.observe(merged.x.shape[1])
+            m.computed_timesteps.inc(merged.computed_steps)
+            m.useful_timesteps.inc(merged.useful_steps)
             for item in batch:
-                m.queue_duration.labels(**lab).observe(item.queue_seconds)
+                m.queue_duration.observe(item.queue_seconds)
         for item, result in zip(batch, results):
             if not item.future.done():
                 item.future.set_result(result)
