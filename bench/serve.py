@@ -437,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-hidden", type=int, default=256, help="H of the streaming LSTM (default 256)")
     p.add_argument("--stream-layers", type=int, default=2, help="layers of the streaming LSTM (default 2)")
     p.add_argument("--stream-model", default="bench_stream", help="model the streams drive (default bench_stream)")
+    p.add_argument("--frontends", type=int, default=1,
+                   help="front-end processes of the started server (rnnserve serve --frontends; default 1)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
 
@@ -450,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         repo = Path(tmp.name) / "models"
         write_repository(repo, args.features, args.hidden, args.layers)
         write_stream_model(repo, args.features, args.stream_hidden, args.stream_layers)
-        proc, http_url, grpc_url = start_server(repo, args.device, [])
+        proc, http_url, grpc_url = start_server(repo, args.device, ["--frontends", str(args.frontends)])
         models = ["bench", "bench_nobatch"]
     rows: list[dict] = []
     stream_rows: list[dict] = []
@@ -458,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.scenario in ("all", "requests"):
             print(f"rnnserve bench: LSTM I={args.features} H={args.hidden} L={args.layers}, lengths "
                   f"{args.min_len}..{args.max_len}, output_last, {args.duration:.0f}s per cell, "
-                  f"{os.cpu_count()} CPUs, device {args.device}, server {http_url} (gRPC {grpc_url or 'off'})")
+                  f"{os.cpu_count()} CPUs, device {args.device}, server {http_url} (gRPC {grpc_url or 'off'}), "
+                  f"{args.frontends} front-end process(es)")
             args.engine_ms = None
             if tmp is not None:
                 seqs = make_sequences(args.pool, args.features, args.min_len, args.max_len)

@@ -64,12 +64,14 @@ class _UvicornServer(uvicorn.Server):
         yield
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP; with proto 0
     # every response pays Nagle + delayed ACK (~40 ms).
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
@@ -104,63 +106,101 @@ async def _start_grpc(dataplane: DataPlane, settings: ServeSettings) -> tuple[An
     return server, f"gRPC on {settings.host}:{port}"
 
 
-async def serve(settings: ServeSettings, dataplane: DataPlane | None = None,
-                stop_event: asyncio.Event | None = None) -> int:
-    """Run the server until SIGTERM/SIGINT (or ``stop_event``), drain, and return the exit code."""
-    dataplane = dataplane or build_dataplane(settings)
-    stop = stop_event or asyncio.Event()
-    sock = _bind(settings.host, settings.http_port)
-    http_port = sock.getsockname()[1]
-    config = uvicorn.Config(create_rest_app(dataplane, settings.max_request_bytes), lifespan="off",
-                            log_level=settings.log_level, access_log=settings.log_level == "debug",
-                            timeout_graceful_shutdown=settings.drain_timeout_s)
-    http = _UvicornServer(config)
-    http_task = asyncio.create_task(http.serve(sockets=[sock]), name="http")
-    while not http.started and not http_task.done():
-        await asyncio.sleep(0.01)
-    if http_task.done():
-        http_task.result()
-        raise RNNServeError("the HTTP server stopped during startup")
-    try:
-        grpc_server, grpc_phrase = await _start_grpc(dataplane, settings)
-    except Exception as exc:
-        http.should_exit = True
-        await http_task
-        if isinstance(exc, RNNServeError):
-            raise
-        raise RNNServeError(f"the gRPC server could not start: {exc}") from exc
-    line = f"rnnserve: HTTP on {settings.host}:{http_port}, {grpc_phrase}"
-    print(line, flush=True)
-    log.info("%s; loading models from %s on device %s", line, settings.repository, settings.device)
+class Transports:
+    """REST and gRPC servers over one dataplane, started and drained together."""
 
+    def __init__(self, http: _UvicornServer, http_task: asyncio.Task, http_port: int, grpc_server: Any,
+                 grpc_phrase: str) -> None:
+        self.http, self.http_task, self.http_port = http, http_task, http_port
+        self.grpc_server, self.grpc_phrase = grpc_server, grpc_phrase
+
+    @classmethod
+    async def start(cls, dataplane: Any, settings: ServeSettings, reuse_port: bool = False) -> "Transports":
+        """Bind and start both servers (``reuse_port``: share the ports with sibling front-end processes)."""
+        sock = _bind(settings.host, settings.http_port, reuse_port)
+        http_port = sock.getsockname()[1]
+        config = uvicorn.Config(create_rest_app(dataplane, settings.max_request_bytes), lifespan="off",
+                                log_level=settings.log_level, access_log=settings.log_level == "debug",
+                                timeout_graceful_shutdown=settings.drain_timeout_s)
+        http = _UvicornServer(config)
+        http_task = asyncio.create_task(http.serve(sockets=[sock]), name="http")
+        while not http.started and not http_task.done():
+            await asyncio.sleep(0.01)
+        if http_task.done():
+            http_task.result()
+            raise RNNServeError("the HTTP server stopped during startup")
+        try:
+            grpc_server, grpc_phrase = await _start_grpc(dataplane, settings)
+        except Exception as exc:
+            http.should_exit = True
+            await http_task
+            if isinstance(exc, RNNServeError):
+                raise
+            raise RNNServeError(f"the gRPC server could not start: {exc}") from exc
+        return cls(http, http_task, http_port, grpc_server, grpc_phrase)
+
+    async def drain(self, settings: ServeSettings) -> None:
+        """Stop accepting and let in-flight requests finish (up to --drain-timeout-s)."""
+        self.http.should_exit = True
+        waits = [self.http_task]
+        if self.grpc_server is not None:
+            waits.append(asyncio.create_task(self.grpc_server.stop(settings.drain_timeout_s)))
+        await asyncio.gather(*waits, return_exceptions=True)
+
+    def failed(self) -> BaseException | None:
+        """The HTTP server's error if it stopped by itself."""
+        task = self.http_task
+        return task.exception() if task.done() and not task.cancelled() else None
+
+
+def install_stop_handlers(stop: asyncio.Event) -> None:
+    """SIGTERM and SIGINT set ``stop``."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
+
+
+def remove_stop_handlers() -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.remove_signal_handler(sig)
+
+
+async def serve(settings: ServeSettings, dataplane: DataPlane | None = None,
+                stop_event: asyncio.Event | None = None) -> int:
+    """Run the server until SIGTERM/SIGINT (or ``stop_event``), drain, and return the exit code."""
+    if settings.frontends > 1 and dataplane is None:
+        from .frontends import serve_with_frontends
+
+        return await serve_with_frontends(settings, stop_event)
+    dataplane = dataplane or build_dataplane(settings)
+    stop = stop_event or asyncio.Event()
+    transports = await Transports.start(dataplane, settings)
+    line = f"rnnserve: HTTP on {settings.host}:{transports.http_port}, {transports.grpc_phrase}"
+    print(line, flush=True)
+    log.info("%s; loading models from %s on device %s", line, settings.repository, settings.device)
+
+    install_stop_handlers(stop)
     load_task = asyncio.create_task(dataplane.start(), name="load-models")
     load_task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.error(
         "loading the repository failed: %s", t.exception()))
 
     stopper = asyncio.create_task(stop.wait())
-    await asyncio.wait({stopper, http_task}, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait({stopper, transports.http_task}, return_when=asyncio.FIRST_COMPLETED)
     log.info("rnnserve: draining in-flight requests (up to %.0fs)", settings.drain_timeout_s)
     dataplane.begin_drain()
-    http.should_exit = True
-    waits = [http_task]
-    if grpc_server is not None:
-        waits.append(asyncio.create_task(grpc_server.stop(settings.drain_timeout_s)))
-    await asyncio.gather(*waits, return_exceptions=True)
+    await transports.drain(settings)
     stopper.cancel()
     if not load_task.done():
         load_task.cancel()
         with contextlib.suppress(BaseException):
             await load_task
     await dataplane.stop(drain=True)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.remove_signal_handler(sig)
-    if http_task.done() and not http_task.cancelled() and http_task.exception() is not None and not stop.is_set():
-        log.error("rnnserve: the HTTP server failed: %s", http_task.exception())
+    remove_stop_handlers()
+    if transports.failed() is not None and not stop.is_set():
+        log.error("rnnserve: the HTTP server failed: %s", transports.failed())
         return 1
     log.info("rnnserve: stopped")
     return 0

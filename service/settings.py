@@ -51,6 +51,12 @@ class ServeSettings(BaseSettings):
     max_request_bytes: int = Field(
         64 * 1024 * 1024, ge=1024, description="Largest request body (HTTP) or message (gRPC) accepted, in bytes."
     )
+    frontends: int = Field(
+        1, ge=1, le=64,
+        description="HTTP/gRPC front-end processes. 1 serves everything in one process; N > 1 starts N processes "
+                    "that share the ports and forward decoded requests to this one, which runs the engines, "
+                    "batching and streams (one Python process parses ~2,000 requests/s).",
+    )
     drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM/SIGINT, how long in-flight requests may finish.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
 

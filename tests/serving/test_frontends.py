@@ -1,0 +1,94 @@
+"""`rnnserve serve --frontends 2`: two front-end processes around one engine process, as a user runs it."""
+from __future__ import annotations
+
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as tg
+import tritonclient.http as th
+from tritonclient.utils import InferenceServerException
+
+from service import create_engine
+from service.repository import load_model
+from serving_support import build_repository, start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def frontends_server(tmp_path_factory):
+    repo = build_repository(tmp_path_factory.mktemp("fe") / "models")
+    proc, http_url, grpc_url = start_server(repo, "--frontends", "2")
+    try:
+        yield repo, proc, http_url.split("://")[1], grpc_url.split("://")[1]
+    finally:
+        if proc.poll() is None:
+            assert stop_server(proc) == 0
+
+
+def _http_input(x):
+    inp = th.InferInput("input", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    return inp
+
+
+def _grpc_input(x):
+    inp = tg.InferInput("input", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    return inp
+
+
+def test_requests_through_both_transports_match_the_engine(frontends_server):
+    repo, _, http, grpc = frontends_server
+    x = np.random.default_rng(3).standard_normal((3, 7, 4)).astype(np.float32)
+    want = create_engine(load_model(repo / "lstm"), "cpu").forward(x)
+    with th.InferenceServerClient(http) as hc, tg.InferenceServerClient(grpc) as gc:
+        assert hc.is_server_ready() and gc.is_server_ready()
+        assert hc.get_model_metadata("lstm")["platform"] == "rnnserve_reference"
+        got_http = hc.infer("lstm", [_http_input(x)]).as_numpy("output")
+        got_grpc = gc.infer("lstm", [_grpc_input(x)]).as_numpy("h_n")
+        np.testing.assert_allclose(got_http, want.output, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got_grpc, want.h_n, rtol=1e-5, atol=1e-5)
+        # errors keep their status and message across the process boundary
+        with pytest.raises(InferenceServerException, match="unknown model 'nope'") as err:
+            hc.infer("nope", [_http_input(x)])
+        assert "404" in str(err.value.status())
+        with pytest.raises(InferenceServerException, match="has 3 features, model 'lstm' expects 4"):
+            gc.infer("lstm", [_grpc_input(x[:, :, :3].copy())])
+    text = urllib.request.urlopen(f"http://{http}/metrics", timeout=10).read().decode()
+    assert 'rnnserve_requests_total{model="lstm",outcome="success",version="1"}' in text
+
+
+def test_a_stream_continues_whichever_front_end_gets_the_chunk(frontends_server):
+    repo, _, http, grpc = frontends_server
+    x = np.random.default_rng(4).standard_normal((1, 12, 4)).astype(np.float32)
+    want = create_engine(load_model(repo / "lstm"), "cpu").forward(x)
+    outs = []
+    # A new client per chunk: each opens its own connection, which the kernel may give to either front-end.
+    for k, (a, b) in enumerate([(0, 4), (4, 9), (9, 12)]):
+        chunk = np.ascontiguousarray(x[:, a:b])
+        if k % 2:
+            with tg.InferenceServerClient(grpc) as gc:
+                res = gc.infer("lstm", [_grpc_input(chunk)], sequence_id=5, sequence_start=k == 0,
+                               sequence_end=b == 12)
+        else:
+            with th.InferenceServerClient(http) as hc:
+                res = hc.infer("lstm", [_http_input(chunk)], sequence_id=5, sequence_start=k == 0,
+                               sequence_end=b == 12)
+        outs.append(res.as_numpy("output"))
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), want.output, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(res.as_numpy("h_n"), want.h_n, rtol=1e-5, atol=1e-5)
+
+
+def test_sigterm_stops_every_process(frontends_server):
+    _, proc, _, _ = frontends_server
+    children = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    assert len(children) >= 2  # the two front-ends (multiprocessing may add its resource tracker)
+    assert stop_server(proc) == 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(Path(f"/proc/{c}").exists() for c in children):
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{c}").exists() for c in children), "front-end processes outlived the server"
