@@ -11,6 +11,7 @@ the engine process runs what waits and exits 0.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import multiprocessing
 import os
@@ -41,11 +42,21 @@ def run_frontend(settings: dict[str, Any], socket_path: str, started: Any) -> No
     raise SystemExit(code)
 
 
+def _die_with_parent() -> None:
+    """Linux: get SIGTERM when the engine process dies, however it dies (no orphaned front-ends)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 async def _frontend(settings: ServeSettings, socket_path: str, started: Any) -> int:
-    dataplane = RemoteDataPlane(socket_path)
+    _die_with_parent()
+    stop = asyncio.Event()
+    dataplane = RemoteDataPlane(socket_path, on_lost=stop.set)
     await dataplane.connect()
     transports = await Transports.start(dataplane, settings, reuse_port=True)
-    stop = asyncio.Event()
     install_stop_handlers(stop)
     started.put(("ok", os.getpid()))
     stopper = asyncio.create_task(stop.wait())

@@ -127,8 +127,9 @@ class RemoteDataPlane:
     metadata and health calls are short blocking round trips on a second connection.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, on_lost: Any = None) -> None:
         self.path = path
+        self._on_lost = on_lost  # called once when the engine process goes away
         self.metrics = _RemoteMetrics(self)
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future] = {}
@@ -168,6 +169,8 @@ class RemoteDataPlane:
                     fut.set_result(value) if ok else fut.set_exception(value)
         except (asyncio.IncompleteReadError, ConnectionError):
             log.warning("the engine process closed the connection")
+            if self._on_lost is not None:
+                self._on_lost()
         finally:
             self._fail_pending()
 

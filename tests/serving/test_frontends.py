@@ -92,3 +92,22 @@ def test_sigterm_stops_every_process(frontends_server):
     while time.monotonic() < deadline and any(Path(f"/proc/{c}").exists() for c in children):
         time.sleep(0.1)
     assert not any(Path(f"/proc/{c}").exists() for c in children), "front-end processes outlived the server"
+
+
+def test_front_ends_exit_when_the_engine_process_is_killed(tmp_path):
+    repo = build_repository(tmp_path / "models")
+    proc, _, _ = start_server(repo, "--frontends", "2")
+    children = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    proc.kill()
+    proc.wait(10)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(_alive(c) for c in children):
+        time.sleep(0.1)
+    assert not any(_alive(c) for c in children), "front-end processes outlived a killed engine process"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
