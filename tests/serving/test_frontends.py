@@ -58,6 +58,12 @@ def test_requests_through_both_transports_match_the_engine(frontends_server):
         assert "404" in str(err.value.status())
         with pytest.raises(InferenceServerException, match="has 3 features, model 'lstm' expects 4"):
             gc.infer("lstm", [_grpc_input(x[:, :, :3].copy())])
+        with pytest.raises(InferenceServerException, match="unknown model 'nope'"):  # a synchronous call
+            hc.get_model_metadata("nope")
+        with pytest.raises(InferenceServerException, match="unknown model 'nope'") as err:
+            gc.get_model_metadata("nope")
+        assert err.value.status() == "StatusCode.NOT_FOUND"
+        assert {m["name"] for m in hc.get_model_repository_index()} == {"lstm", "gru_bi"}
     text = urllib.request.urlopen(f"http://{http}/metrics", timeout=10).read().decode()
     assert 'rnnserve_requests_total{model="lstm",outcome="success",version="1"}' in text
 
