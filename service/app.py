@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 import uvicorn
 from prometheus_client import CollectorRegistry
 
+from . import eventloop
 from .dataplane import DataPlane
 from .errors import RNNServeError
 from .metrics import ServerMetrics
@@ -215,7 +216,7 @@ def serve_main(argv: list[str]) -> int:
         return 2
     logging.getLogger().setLevel(settings.log_level.upper())
     try:
-        return asyncio.run(serve(settings))
+        return eventloop.run(serve(settings), settings.event_loop)
     except RNNServeError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 1

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from . import eventloop
 from .app import Transports, _free_port, build_dataplane, install_stop_handlers, remove_stop_handlers
 from .dataplane.remote import DataPlaneServer, RemoteDataPlane
 from .errors import RNNServeError
@@ -35,7 +36,8 @@ def run_frontend(settings: dict[str, Any], socket_path: str, started: Any) -> No
     logging.basicConfig(level=settings.get("log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s[frontend %(process)d]: %(message)s")
     try:
-        code = asyncio.run(_frontend(ServeSettings(**settings), socket_path, started))
+        fe_settings = ServeSettings(**settings)
+        code = eventloop.run(_frontend(fe_settings, socket_path, started), fe_settings.event_loop)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which exits non-zero
         started.put(("error", f"{type(exc).__name__}: {exc}"))
         code = 1

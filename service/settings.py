@@ -57,6 +57,10 @@ class ServeSettings(BaseSettings):
                     "that share the ports and forward decoded requests to this one, which runs the engines, "
                     "batching and streams (one Python process parses ~2,000 requests/s).",
     )
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto", description="Event loop: uvloop (faster per request), asyncio (the standard loop) or auto (uvloop "
+                            "when installed).",
+    )
     drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM/SIGINT, how long in-flight requests may finish.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
 
