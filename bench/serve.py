@@ -19,8 +19,12 @@ serves a second LSTM, ``bench_stream`` (2 layers, H=256 by default, max_batch_si
 each sending --chunk-steps chunks (default 10 steps) one after another: first as
 stateful streams (sequence_id/start/end, the server keeps h and c), then the same
 chunks statelessly (the client sends h_0/c_0 and reads back h_n/c_n). It prints
-chunks/s and p50/p99 chunk latency for both. On the CPU each stream sends fewer
-chunks (--stream-chunks, default 2000 on cuda, 600 on cpu, shared over the N streams).
+chunks/s and p50/p99 chunk latency for both, twice: closed loop (each stream sends its
+next chunk when the answer arrives: the server's saturation) and paced like live
+sources (--chunk-interval-ms, default one chunk per stream every 100 ms, which is real
+time for 10 ms frames). Streams are split over --clients load-generating processes.
+Closed-loop cells send --stream-chunks chunks in all (default 2000 on cuda, 600 on cpu,
+shared over the N streams); paced cells run --paced-seconds.
 
     python bench/serve.py --scenario streams --device cuda    # the GPU target: 256 streams, p99 < 10 ms
 """
@@ -300,29 +304,41 @@ async def bench(args: argparse.Namespace, http_url: str, grpc_url: str | None, m
 # ---- streams ------------------------------------------------------------------------------------------------
 
 
-async def stream_cell(client, model: str, n: int, chunks: int, steps: int, features: int, stateful: bool,
-                      state_shape: tuple[int, int]) -> dict:
-    """``n`` concurrent streams, each sending ``chunks`` chunks of ``steps`` steps one after another."""
+async def stream_cell(grpc_url: str, model: str, first: int, n: int, chunks: int, steps: int, features: int,
+                      stateful: bool, state_shape: tuple[int, int], interval: float = 0.0,
+                      base: int = 0, total: int = 0) -> tuple[list[float], int, float]:
+    """Streams ``first..first+n-1``, concurrently, each sending ``chunks`` chunks of ``steps`` steps in order.
+
+    ``interval`` 0: each stream sends its next chunk as soon as the previous answer arrives
+    (closed loop: the server's saturation). ``interval`` > 0: stream k sends chunk j at
+    ``start + offset_k + j * interval`` (or at once when the answer to j-1 came later), like a
+    live source producing ``steps`` frames every ``interval`` seconds; offsets spread the streams
+    over one interval (``total``: the streams of all processes). Returns (latencies in s, errors, elapsed s).
+    """
     import tritonclient.grpc.aio as tga
 
     rng = np.random.default_rng(3)
     xs = [rng.standard_normal((1, steps, features)).astype(np.float32) for _ in range(8)]
     latencies: list[float] = []
     errors = 0
-    base = int(time.time() * 1000) % 1_000_000 * 10_000
+    client = tga.InferenceServerClient(grpc_url)
 
     def make_input(name, arr):
         t = tga.InferInput(name, list(arr.shape), "FP32")
         t.set_data_from_numpy(arr)
         return t
 
-    async def one(k: int) -> None:
+    async def one(k: int, start: float) -> None:
         nonlocal errors
         h = np.zeros((1, *state_shape), np.float32)
         c = np.zeros((1, *state_shape), np.float32)
         wanted = ["output"] if stateful else ["output", "h_n", "c_n"]
         outputs = [tga.InferRequestedOutput(o) for o in wanted]
         for j in range(chunks):
+            if interval:
+                delay = start + j * interval - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
             inputs = [make_input("input", xs[(k + j) % len(xs)])]
             kwargs = {}
             if stateful:
@@ -339,12 +355,38 @@ async def stream_cell(client, model: str, n: int, chunks: int, steps: int, featu
             if not stateful:
                 h, c = result.as_numpy("h_n"), result.as_numpy("c_n")
 
-    start = time.perf_counter()
-    await asyncio.gather(*(one(k) for k in range(n)))
-    elapsed = time.perf_counter() - start
+    t_start = time.perf_counter()
+    try:
+        spread = max(total, first + n)
+        await asyncio.gather(*(one(first + k, t_start + interval * (first + k) / spread) for k in range(n)))
+    finally:
+        await client.close()
+    return latencies, errors, time.perf_counter() - t_start
+
+
+def _stream_process(job: dict) -> tuple[list[float], int, float]:
+    return asyncio.run(stream_cell(**job))
+
+
+def run_streams(job: dict, n: int, clients: int) -> dict:
+    """``n`` streams from ``clients`` load-generating processes (streams split between them)."""
+    import multiprocessing as mp
+
+    clients = max(1, min(clients, n))
+    shares = [n // clients + (1 if k < n % clients else 0) for k in range(clients)]
+    firsts = [sum(shares[:k]) for k in range(clients)]
+    jobs = [{**job, "first": f, "n": m, "total": n} for f, m in zip(firsts, shares)]
+    if clients == 1:
+        results = [_stream_process(jobs[0])]
+    else:
+        with mp.get_context("spawn").Pool(clients) as pool:
+            results = pool.map(_stream_process, jobs)
+    latencies = [lat for lats, _, _ in results for lat in lats]
+    elapsed = max(e for _, _, e in results)
     lat = np.asarray(latencies) * 1000
-    return {"mode": "stateful" if stateful else "stateless", "streams": n, "chunks": len(latencies),
-            "chunk_steps": steps, "errors": errors, "chunks_per_s": len(latencies) / elapsed,
+    return {"mode": "stateful" if job["stateful"] else "stateless", "streams": n, "chunks": len(latencies),
+            "chunk_steps": job["steps"], "interval_ms": job["interval"] * 1000, "clients": clients,
+            "errors": sum(e for _, e, _ in results), "chunks_per_s": len(latencies) / elapsed,
             "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
             "p99_ms": float(np.percentile(lat, 99)) if lat.size else None}
 
@@ -357,34 +399,39 @@ async def bench_streams(args: argparse.Namespace, grpc_url: str | None) -> list[
         return []
     total = args.stream_chunks or (2000 if args.device == "cuda" else 600)
     client = tga.InferenceServerClient(grpc_url)
-    rows = []
     try:
         meta = await client.get_model_metadata(args.stream_model, as_json=True)
-        h_shape = next(i["shape"] for i in meta["inputs"] if i["name"] == "h_0")
-        state_shape = (int(h_shape[1]), int(h_shape[2]))
-        # warm the model (first batches of each size) before measuring
-        await stream_cell(client, args.stream_model, 16, 3, args.chunk_steps, args.features, True, state_shape)
-        for n in args.streams:
-            chunks = max(4, total // n)
-            for stateful in (True, False):
-                row = await stream_cell(client, args.stream_model, n, chunks, args.chunk_steps, args.features,
-                                        stateful, state_shape)
-                rows.append(row)
-                print(_format_stream_row(row), flush=True)
     finally:
         await client.close()
+    h_shape = next(i["shape"] for i in meta["inputs"] if i["name"] == "h_0")
+    state_shape = (int(h_shape[1]), int(h_shape[2]))
+    job = {"grpc_url": grpc_url, "model": args.stream_model, "steps": args.chunk_steps, "features": args.features,
+           "state_shape": state_shape, "base": int(time.time() * 1000) % 1_000_000 * 10_000}
+    # warm the model (first batches of each size) before measuring
+    await stream_cell(first=0, n=16, chunks=3, stateful=True, interval=0.0, **job)
+    rows = []
+    for interval_ms in args.chunk_interval_ms:
+        for n in args.streams:
+            chunks = max(4, total // n) if not interval_ms else max(4, int(args.paced_seconds * 1000 / interval_ms))
+            for stateful in (True, False):
+                job["base"] += 100_000
+                cell = {**job, "chunks": chunks, "stateful": stateful, "interval": interval_ms / 1000}
+                row = await asyncio.to_thread(run_streams, cell, n, args.clients)
+                rows.append(row)
+                print(_format_stream_row(row), flush=True)
     return rows
 
 
 def _format_stream_row(r: dict) -> str:
     p50 = f"{r['p50_ms']:.2f}" if r["p50_ms"] is not None else "-"
     p99 = f"{r['p99_ms']:.2f}" if r["p99_ms"] is not None else "-"
-    return (f"| {r['mode']:<9} | {r['streams']:>7} | {r['chunks']:>6} | {r['chunks_per_s']:>9.1f} | {p50:>8} | "
-            f"{p99:>8} | {r['errors']:>6} |")
+    pace = f"{r['interval_ms']:.0f} ms" if r["interval_ms"] else "closed"
+    return (f"| {r['mode']:<9} | {pace:>8} | {r['streams']:>7} | {r['chunks']:>6} | {r['chunks_per_s']:>9.1f} | "
+            f"{p50:>8} | {p99:>8} | {r['errors']:>6} |")
 
 
-STREAM_HEAD = ("| mode      | streams | chunks |  chunks/s |  p50 ms  |  p99 ms  | errors |\n"
-               "|-----------|--------:|-------:|----------:|---------:|---------:|-------:|")
+STREAM_HEAD = ("| mode      |   sends  | streams | chunks |  chunks/s |  p50 ms  |  p99 ms  | errors |\n"
+               "|-----------|---------:|--------:|-------:|----------:|---------:|---------:|-------:|")
 
 
 async def _ready(http_url: str) -> None:
@@ -434,6 +481,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-chunks", type=int, default=0,
                    help="chunks per cell, shared over its streams (at least 4 per stream; default 2000 on cuda, "
                         "600 otherwise)")
+    p.add_argument("--chunk-interval-ms", type=lambda s: [float(c) for c in s.split(",")], default=[0.0, 100.0],
+                   help="how each stream sends its chunks: 0 = the next as soon as the answer arrives (closed loop, "
+                        "the server's saturation), T > 0 = one every T ms like a live source (default 0,100: a "
+                        "10-step chunk every 100 ms is real time for 10 ms audio frames)")
+    p.add_argument("--paced-seconds", type=float, default=5.0,
+                   help="how long each paced (T > 0) streams cell runs (default 5 s)")
     p.add_argument("--stream-hidden", type=int, default=256, help="H of the streaming LSTM (default 256)")
     p.add_argument("--stream-layers", type=int, default=2, help="layers of the streaming LSTM (default 2)")
     p.add_argument("--stream-model", default="bench_stream", help="model the streams drive (default bench_stream)")

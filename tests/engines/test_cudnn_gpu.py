@@ -8,13 +8,15 @@ bfloat16 (8-bit mantissa) to 5e-2.
 """
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
 from service.engines import create_engine
 from service.engines.cudnn import CudnnEngine
 from service.engines.cudnn.autotune import AlgoTable, BucketChoice, Trial, batch_buckets, plan
-from service.engines.cudnn.library import ALGO_NAMES, load_library
+from service.engines.cudnn.library import ALGO_NAMES, RELEASES_GIL, load_library
 from service.engines.reference import ReferenceEngine
 from service.errors import EngineUnavailable, InvalidInput, RNNServeError
 from service.loaders.verify import ATOL, RTOL
@@ -603,3 +605,16 @@ def test_plan_large_batch_is_cut_into_biggest_buckets():
 def test_plan_forced_algorithm_always_splits_ragged_batches():
     groups = plan(_table(True, forced=1), 3, 10, np.array([10, 2, 10]))
     assert len(groups) == 2
+
+
+def _keeps_gil(fn) -> bool:
+    return bool(getattr(fn, "_flags_", 0) & ctypes._FUNCFLAG_PYTHONAPI)
+
+
+@gpu
+def test_long_calls_release_the_gil():
+    # The event loop must keep serving while a batch's cudnnRNNForward launches its kernels.
+    lib = load_library()
+    for name, fn in lib.functions.items():
+        assert _keeps_gil(fn) == (name not in RELEASES_GIL), name
+    assert {"cudnnRNNForward", "cudnnBuildRNNDynamic"} <= RELEASES_GIL

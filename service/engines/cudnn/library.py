@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from typing import Any
 from ctypes import POINTER, c_char_p, c_float, c_int, c_int32, c_size_t, c_uint32, c_ulonglong, c_void_p
 
 from ...errors import EngineUnavailable, RNNServeError
@@ -82,6 +83,14 @@ _PROTOTYPES: dict[str, list] = {
 }
 
 
+# Called without the GIL (through a CDLL handle): these run for milliseconds on the host. With the
+# STANDARD algorithm cudnnRNNForward launches a few kernels per time step and layer (~1-2 ms of host
+# time for 200 steps), and BuildRNNDynamic compiles a plan. Holding the GIL meanwhile stalls the event
+# loop, which parses and answers other requests while a batch runs. Every other call is microseconds
+# of descriptor work and keeps the GIL (PyDLL: no release and re-acquire per call).
+RELEASES_GIL = frozenset({"cudnnRNNForward", "cudnnBuildRNNDynamic"})
+
+
 class CudnnError(RNNServeError):
     """A cuDNN call returned a non-zero status; ``call`` names it, ``code`` is the status."""
 
@@ -100,7 +109,8 @@ class CudnnError(RNNServeError):
 class CudnnLibrary:
     """The loaded library: every function in ``_PROTOTYPES`` becomes a method that raises CudnnError."""
 
-    def __init__(self, lib: ctypes.CDLL, path: str) -> None:  # CDLL or PyDLL
+    def __init__(self, lib: ctypes.CDLL, path: str, nogil: ctypes.CDLL | None = None) -> None:
+        """``lib``: the library (a PyDLL keeps the GIL); ``nogil``: a CDLL of it for :data:`RELEASES_GIL`."""
         self._lib = lib
         self.path = path
         lib.cudnnGetVersion.restype = c_size_t
@@ -113,14 +123,16 @@ class CudnnLibrary:
             self._last_error.argtypes = [c_char_p, c_size_t]
         self.version = int(lib.cudnnGetVersion())
         missing = []
+        self.functions: dict[str, Any] = {}  # the raw ctypes functions, by name
         for name, argtypes in _PROTOTYPES.items():
             try:
-                fn = getattr(lib, name)
+                fn = getattr(nogil if nogil is not None and name in RELEASES_GIL else lib, name)
             except AttributeError:
                 missing.append(name)
                 continue
             fn.restype = c_int
             fn.argtypes = argtypes
+            self.functions[name] = fn
             setattr(self, name, self._checked(name, fn))
         if missing:
             raise EngineUnavailable(f"{path} (cuDNN {self.version}) lacks {', '.join(missing)}; cuDNN 9 is required")
@@ -197,15 +209,13 @@ def load_library(candidates: list[tuple[str, str]] | None = None) -> CudnnLibrar
                             ctypes.CDLL(sib_path, mode=ctypes.RTLD_GLOBAL)
                         except OSError:
                             pass
-            # PyDLL keeps the GIL during calls: every cuDNN call made here is microseconds of
-            # host-side descriptor work or an asynchronous launch, not worth a GIL release and
-            # re-acquire each (measured on an H200: no throughput change either way).
             lib = ctypes.PyDLL(path, mode=ctypes.RTLD_GLOBAL)
+            nogil = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # the same loaded library (dlopen counts)
         except OSError as exc:
             tried.append(f"{where}: {path}: {exc}")
             continue
         try:
-            loaded = CudnnLibrary(lib, path)
+            loaded = CudnnLibrary(lib, path, nogil)
         except (AttributeError, EngineUnavailable) as exc:
             tried.append(f"{where}: {path}: {exc}")
             continue

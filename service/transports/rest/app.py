@@ -12,27 +12,16 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.concurrency import run_in_threadpool
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import __version__
 from ...dataplane import DataPlane
-from ...errors import STATUS_TABLE, InvalidInput, RNNServeError
-from .codec import HEADER, decode_request, decompress, encode_response
+from ...errors import InvalidInput, RNNServeError
+from .codec import HEADER
+from .infer import InferFastPath, infer_response
+from .responses import error_response, read_body
 from .predict import PredictRequest, PredictResponse, to_infer_request, to_predictions
-
-
-# Bodies and outputs past these sizes are decoded/encoded in a worker thread, so one large JSON
-# request does not hold the event loop (and every other request) for its whole parse.
-_OFFLOAD_BYTES = 256 * 1024
-_OFFLOAD_VALUES = 64 * 1024
-
-
-class RequestTooLarge(RNNServeError):
-    """The request body is larger than --max-request-bytes."""
-
-    status = "RESOURCE_EXHAUSTED"
 
 
 _INFER_BODY = {
@@ -56,26 +45,6 @@ _INFER_BODY = {
         },
     }
 }
-
-
-def error_response(exc: RNNServeError) -> JSONResponse:
-    """The one way an error leaves the REST transport."""
-    code = STATUS_TABLE.get(exc.status, STATUS_TABLE["INTERNAL"])[0]
-    return JSONResponse({"error": exc.message}, status_code=code)
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise RequestTooLarge(f"request body of {declared} bytes is larger than the limit of {limit} bytes "
-                              f"(--max-request-bytes); send fewer or shorter sequences")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestTooLarge(f"request body is larger than the limit of {limit} bytes (--max-request-bytes)")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1024) -> FastAPI:
@@ -134,18 +103,8 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
     @app.post("/v2/models/{model}/versions/{version}/infer", tags=["inference"], summary="Infer",
               openapi_extra=_INFER_BODY)
     async def infer(model: str, request: Request, version: str = "") -> Response:
-        body = decompress(await _read_body(request, max_request_bytes), request.headers.get("content-encoding"))
-        header = request.headers.get(HEADER)
-        if len(body) > _OFFLOAD_BYTES:
-            req = await run_in_threadpool(decode_request, body, header, model, version)
-        else:
-            req = decode_request(body, header, model, version)
-        resp = await dataplane.infer(req)
-        if sum(t.data.size for t in resp.outputs) > _OFFLOAD_VALUES:
-            content, headers = await run_in_threadpool(encode_response, resp, req.parameters)
-        else:
-            content, headers = encode_response(resp, req.parameters)
-        return Response(content, headers=headers)
+        # Reached only without InferFastPath in front (it answers these paths first); kept for /docs.
+        return await infer_response(dataplane, request, model, version, max_request_bytes)
 
     # The body is parsed here rather than by FastAPI so that `curl -d` without a JSON
     # content type (curl's default is form-urlencoded) still works.
@@ -159,7 +118,7 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
         `output_last` is the output at the sequence's last step (many-to-one); `output` has
         one row per step of that instance.
         """
-        raw = await _read_body(request, max_request_bytes)
+        raw = await read_body(request, max_request_bytes)
         try:
             body = PredictRequest.model_validate_json(raw)
         except ValidationError as exc:
@@ -192,6 +151,7 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
     async def metrics() -> Response:
         return Response(dataplane.metrics.render(), media_type=dataplane.metrics.content_type)
 
+    app.add_middleware(InferFastPath, dataplane=dataplane, max_request_bytes=max_request_bytes)
     return app
 
 
