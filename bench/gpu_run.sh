@@ -2,7 +2,9 @@
 # One full run on a lent GPU machine (see the device tool): the GPU test suite and the
 # benchmarks, logs and JSON written to $OUT. The machine has no package index, so the
 # wheels it lacks travel in .gpu-wheels (FastAPI, uvicorn, pydantic, tritonclient, grpcio...).
-#   usage (device tool, carry .gpu-wheels):  bash bench/gpu_run.sh [tests|serve|engine|all]
+#   usage (device tool, carry .gpu-wheels):  bash bench/gpu_run.sh [tests|serve|engine|profile|all]
+# profile (also carry .gpu-extra, which holds a py-spy wheel): py-spy samples of the engine process
+# of `rnnserve serve --frontends 6` under gRPC and binary-HTTP load at concurrency 64.
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-bench/results}
@@ -20,5 +22,22 @@ if [ "$what" = all ] || [ "$what" = serve ]; then
 fi
 if [ "$what" = all ] || [ "$what" = engine ]; then
   timeout 200 python3 bench/gpu_engine.py --out "$OUT/gpu_engine.json" 2>&1 | tee "$OUT/gpu_engine.log" || rc=1
+fi
+if [ "$what" = profile ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/spy .gpu-extra/py_spy-*.whl
+  python3 -c "import sys; sys.path.insert(0, 'bench'); import serve, pathlib; serve.write_repository(pathlib.Path('/tmp/prepo'), 40, 128, 1)"
+  python3 -m service.cli serve --repository /tmp/prepo --host 127.0.0.1 --http-port 18000 --grpc-port 18001 \
+    --device cuda --frontends 6 --log-level warning > "$OUT/profile_server.log" 2>&1 &
+  spid=$!
+  for proto in grpc http-binary; do
+    python3 bench/serve.py --url 127.0.0.1:18000 --grpc-url 127.0.0.1:18001 --no-compare --protocols $proto \
+      --concurrency 64 --duration 10 --warmup 1 --clients 4 --scenario requests 2>&1 | tee -a "$OUT/profile_load.log" &
+    lpid=$!
+    sleep 5
+    /tmp/spy/bin/py-spy record -p $spid -d 5 -r 250 -f raw -o "$OUT/engine_$proto.txt" --nonblocking > /dev/null 2>&1
+    /tmp/spy/bin/py-spy record -p $spid -d 3 -r 100 -f raw --native -o "$OUT/engine_${proto}_native.txt" > /dev/null 2>&1
+    wait $lpid
+  done
+  kill -TERM $spid; wait $spid
 fi
 exit $rc

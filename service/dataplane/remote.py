@@ -22,7 +22,7 @@ import pickle
 import socket
 import struct
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import RNNServeError, Unavailable
 from .types import InferRequest, InferResponse
@@ -39,9 +39,60 @@ def _frame(obj: Any) -> bytes:
     return _LENGTH.pack(len(data)) + data
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> Any:
-    (size,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-    return pickle.loads(await reader.readexactly(size))
+class FrameConnection(asyncio.Protocol):
+    """One end of a connection: frames in through ``on_frame(obj)``, out through :meth:`send`.
+
+    A protocol rather than stream reader/writer coroutines: a burst of frames is parsed in one
+    ``data_received`` call, and the frames sent during one event-loop iteration (a finished
+    batch answers many requests at once) leave in one write, one system call.
+    """
+
+    def __init__(self, on_frame: Callable[[Any], None], on_lost: Callable[[], None] | None = None) -> None:
+        self._on_frame = on_frame
+        self._on_lost = on_lost
+        self._buf = bytearray()
+        self._out: list[bytes] = []
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        pos, end = 0, len(buf)
+        while end - pos >= _LENGTH.size:
+            (size,) = _LENGTH.unpack_from(buf, pos)
+            stop = pos + _LENGTH.size + size
+            if stop > end:
+                break
+            obj = pickle.loads(buf[pos + _LENGTH.size:stop])
+            pos = stop
+            self._on_frame(obj)
+        del buf[:pos]
+
+    def send(self, obj: Any) -> None:
+        """Queue ``obj``; everything queued in this loop iteration goes out in one write."""
+        if self.closed:
+            return
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._out.append(_frame(obj))
+
+    def _flush(self) -> None:
+        if self._out and not self.closed and self.transport is not None:
+            self.transport.write(b"".join(self._out))
+        self._out.clear()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._on_lost is not None:
+            self._on_lost()
 
 
 def _portable(exc: BaseException) -> RNNServeError:
@@ -61,7 +112,8 @@ class DataPlaneServer:
 
     async def start(self) -> None:
         """Listen on the socket."""
-        self._server = await asyncio.start_unix_server(self._serve, path=self.path)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(self._connection, path=self.path)
 
     async def stop(self) -> None:
         """Stop listening; calls in flight finish first."""
@@ -76,36 +128,34 @@ class DataPlaneServer:
             return self.dataplane.metrics.render()
         return getattr(self.dataplane, method)(*args)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                try:
-                    msg_id, method, args = await _read_frame(reader)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
-                if method in ASYNC_METHODS:
-                    # Concurrent: requests from one front-end must be able to batch together.
-                    task = asyncio.create_task(self._call_async(writer, msg_id, method, args))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
-                    continue
-                try:
-                    if method not in SYNC_METHODS:
-                        raise RNNServeError(f"unknown dataplane method '{method}'")
-                    reply = (msg_id, True, self._call_sync(method, args))
-                except Exception as exc:  # noqa: BLE001 - the caller gets it
-                    reply = (msg_id, False, _portable(exc))
-                writer.write(_frame(reply))
-        finally:
-            writer.close()
+    def _connection(self) -> FrameConnection:
+        conn: FrameConnection
 
-    async def _call_async(self, writer: asyncio.StreamWriter, msg_id: int, method: str, args: tuple) -> None:
+        def on_frame(msg: Any) -> None:
+            msg_id, method, args = msg
+            if method in ASYNC_METHODS:
+                # Concurrent: requests from one front-end must be able to batch together.
+                task = asyncio.get_running_loop().create_task(self._call_async(conn, msg_id, method, args))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                return
+            try:
+                if method not in SYNC_METHODS:
+                    raise RNNServeError(f"unknown dataplane method '{method}'")
+                reply = (msg_id, True, self._call_sync(method, args))
+            except Exception as exc:  # noqa: BLE001 - the caller gets it
+                reply = (msg_id, False, _portable(exc))
+            conn.send(reply)
+
+        conn = FrameConnection(on_frame)
+        return conn
+
+    async def _call_async(self, conn: FrameConnection, msg_id: int, method: str, args: tuple) -> None:
         try:
             reply = (msg_id, True, await getattr(self.dataplane, method)(*args))
         except Exception as exc:  # noqa: BLE001 - the caller gets it
             reply = (msg_id, False, _portable(exc))
-        if not writer.is_closing():
-            writer.write(_frame(reply))
+        conn.send(reply)
 
 
 class _RemoteMetrics:
@@ -133,25 +183,25 @@ class RemoteDataPlane:
         self.metrics = _RemoteMetrics(self)
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future] = {}
-        self._writer: asyncio.StreamWriter | None = None
-        self._reader_task: asyncio.Task | None = None
+        self._conn: FrameConnection | None = None
+        self._closing = False
         self._sync_sock: socket.socket | None = None
         self._sync_lock = threading.Lock()
         self._draining = False
 
     async def connect(self) -> None:
         """Open both connections to the engine process."""
-        reader, self._writer = await asyncio.open_unix_connection(self.path)
-        self._reader_task = asyncio.create_task(self._read_replies(reader))
+        loop = asyncio.get_running_loop()
+        _, self._conn = await loop.create_unix_connection(
+            lambda: FrameConnection(self._on_reply, self._connection_lost), self.path)
         self._sync_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sync_sock.connect(self.path)
 
     async def close(self) -> None:
         """Close the connections; calls still waiting fail with Unavailable."""
-        if self._writer is not None:
-            self._writer.close()
-        if self._reader_task is not None:
-            self._reader_task.cancel()
+        self._closing = True
+        if self._conn is not None:
+            self._conn.close()
         if self._sync_sock is not None:
             self._sync_sock.close()
         self._fail_pending()
@@ -160,19 +210,19 @@ class RemoteDataPlane:
         """Report not ready from now on (this front-end is stopping)."""
         self._draining = True
 
-    async def _read_replies(self, reader: asyncio.StreamReader) -> None:
-        try:
-            while True:
-                msg_id, ok, value = await _read_frame(reader)
-                fut = self._pending.pop(msg_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(value) if ok else fut.set_exception(value)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            log.warning("the engine process closed the connection")
-            if self._on_lost is not None:
-                self._on_lost()
-        finally:
-            self._fail_pending()
+    def _on_reply(self, msg: Any) -> None:
+        msg_id, ok, value = msg
+        fut = self._pending.pop(msg_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(value) if ok else fut.set_exception(value)
+
+    def _connection_lost(self) -> None:
+        self._fail_pending()
+        if self._closing:
+            return
+        log.warning("the engine process closed the connection")
+        if self._on_lost is not None:
+            self._on_lost()
 
     def _fail_pending(self) -> None:
         for fut in self._pending.values():
@@ -181,12 +231,12 @@ class RemoteDataPlane:
         self._pending.clear()
 
     async def _call(self, method: str, *args: Any) -> Any:
-        if self._writer is None or self._writer.is_closing():
+        if self._conn is None or self._conn.closed:
             raise Unavailable("the engine process is not reachable; the server is stopping")
         msg_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._pending[msg_id] = fut
-        self._writer.write(_frame((msg_id, method, args)))
+        self._conn.send((msg_id, method, args))
         return await fut
 
     def _call_sync(self, method: str, *args: Any) -> Any:

@@ -16,7 +16,8 @@ def create_engine(model: PackedModel, device: str = "cpu", **options: Any) -> En
     """Return an engine for ``model``: "cpu" (reference), "cuda" (cuDNN) or "auto".
 
     "auto" takes cuDNN when a GPU and cuDNN work and the model has no variant cuDNN
-    cannot run; otherwise it falls back to the reference engine and logs why.
+    cannot run; otherwise it falls back to the reference engine and logs why. ``options``
+    go to the cuDNN engine; the reference engine takes only ``dtype``.
     """
     if device not in DEVICES:
         raise InvalidInput(f"device '{device}' is not known; use one of {', '.join(DEVICES)}")

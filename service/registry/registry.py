@@ -288,7 +288,7 @@ class ModelRegistry:
     def _build(self, model_dir: Path, version: int, config: ModelConfig) -> tuple[PackedModel, Any]:
         model = load_model(model_dir, version)
         model.config = config
-        return model, create_engine(model, self.device)
+        return model, create_engine(model, self.device, blocking_sync=True)
 
     async def unload(self, name: str) -> None:
         """Drain and unload every version of ``name``; it stays in the index as UNAVAILABLE ("unloaded")."""

@@ -618,3 +618,19 @@ def test_long_calls_release_the_gil():
     for name, fn in lib.functions.items():
         assert _keeps_gil(fn) == (name not in RELEASES_GIL), name
     assert {"cudnnRNNForward", "cudnnBuildRNNDynamic"} <= RELEASES_GIL
+
+
+@gpu
+def test_blocking_sync_gives_the_same_results():
+    mod = make_torch("gru", 6, 16, 2, True, seed=41)
+    model = model_from_torch(mod)
+    x, lengths = rand((5, 11, 6), seed=42), np.array([11, 1, 6, 11, 3])
+    spin, sleep = CudnnEngine(model, autotune=False), CudnnEngine(model, autotune=False, blocking_sync=True)
+    try:
+        a, b = spin.forward(x, lengths), sleep.forward(x, lengths)
+    finally:
+        spin.close()
+        sleep.close()
+    np.testing.assert_array_equal(a.output, b.output)
+    np.testing.assert_array_equal(a.h_n, b.h_n)
+    check_all(b, reference_run(model, x, lengths))

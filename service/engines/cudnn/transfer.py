@@ -8,6 +8,8 @@ second pass on the host.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 _ALIGN = 256
@@ -113,8 +115,12 @@ class HostStaging:
         return [cp.ndarray(arr.shape, dtype=dtype, memptr=dev.data + off) for (arr, dtype), off in zip(arrays, offsets)]
 
 
-def download(cp, arrays: list, stream) -> list[np.ndarray]:
-    """Copy device arrays (C-contiguous) into pinned host memory and wait; returns NumPy arrays."""
+def download(cp, arrays: list, stream, done: Any = None) -> list[np.ndarray]:
+    """Copy device arrays (C-contiguous) into pinned host memory and wait; returns NumPy arrays.
+
+    ``done``: an event recorded after the copies and waited on (a blocking-sync event sleeps
+    instead of spinning); without it the stream is synchronized.
+    """
     out = []
     for a in arrays:
         nbytes = a.nbytes
@@ -123,5 +129,9 @@ def download(cp, arrays: list, stream) -> list[np.ndarray]:
         if nbytes:
             cp.cuda.runtime.memcpyAsync(host.ctypes.data, a.data.ptr, nbytes, _D2H, stream.ptr)
         out.append(host)
-    stream.synchronize()
+    if done is None:
+        stream.synchronize()
+    else:
+        done.record(stream)
+        done.synchronize()
     return out
