@@ -27,15 +27,21 @@ if [ "$what" = profile ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/spy .gpu-extra/py_spy-*.whl
   python3 -c "import sys; sys.path.insert(0, 'bench'); import serve, pathlib; serve.write_repository(pathlib.Path('/tmp/prepo'), 40, 128, 1)"
   python3 -m service.cli serve --repository /tmp/prepo --host 127.0.0.1 --http-port 18000 --grpc-port 18001 \
-    --device cuda --frontends 6 --log-level warning > "$OUT/profile_server.log" 2>&1 &
+    --device cuda --frontends ${FRONTENDS:-6} --log-level warning > "$OUT/profile_server.log" 2>&1 &
   spid=$!
+  python3 -c "
+import time, urllib.request
+for _ in range(240):
+    try:
+        if urllib.request.urlopen('http://127.0.0.1:18000/v2/health/ready', timeout=2).status == 200: break
+    except Exception: time.sleep(0.5)"
   for proto in grpc http-binary; do
     python3 bench/serve.py --url 127.0.0.1:18000 --grpc-url 127.0.0.1:18001 --no-compare --protocols $proto \
-      --concurrency 64 --duration 10 --warmup 1 --clients 4 --scenario requests 2>&1 | tee -a "$OUT/profile_load.log" &
+      --concurrency 64 --duration 8 --warmup 1 --clients ${CLIENTS:-4} --scenario requests 2>&1 | tee -a "$OUT/profile_load.log" &
     lpid=$!
-    sleep 5
-    /tmp/spy/bin/py-spy record -p $spid -d 5 -r 250 -f raw -o "$OUT/engine_$proto.txt" --nonblocking > /dev/null 2>&1
-    /tmp/spy/bin/py-spy record -p $spid -d 3 -r 100 -f raw --native -o "$OUT/engine_${proto}_native.txt" > /dev/null 2>&1
+    sleep 4
+    top -b -n 1 -w 200 | head -30 > "$OUT/top_$proto.log"
+    /tmp/spy/bin/py-spy record -p $spid -d 4 -r 250 -f raw -o "$OUT/engine_$proto.txt" --nonblocking > /dev/null 2>&1
     wait $lpid
   done
   kill -TERM $spid; wait $spid

@@ -376,6 +376,19 @@ def run_distributed(cell: dict, clients: int) -> dict:
     return _summary(latencies, sum(e for _, e in results), cell["duration"])
 
 
+def server_batches(http_url: str, model: str) -> tuple[float, float, float]:
+    """(batches, sequences, compute seconds) the server has run for ``model``, from its /metrics."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{http_url}/metrics", timeout=10).read().decode()
+    values = {}
+    for name in ("rnnserve_batch_size_count", "rnnserve_batch_size_sum", "rnnserve_compute_duration_seconds_sum"):
+        m = re.search(rf'^{name}{{[^}}]*model="{re.escape(model)}"[^}}]*}} (\S+)$', text, re.M)
+        values[name] = float(m.group(1)) if m else 0.0
+    return (values["rnnserve_batch_size_count"], values["rnnserve_batch_size_sum"],
+            values["rnnserve_compute_duration_seconds_sum"])
+
+
 async def bench(args: argparse.Namespace, http_url: str, grpc_url: str | None, models: list[str]) -> list[dict]:
     import aiohttp
 
@@ -392,7 +405,13 @@ async def bench(args: argparse.Namespace, http_url: str, grpc_url: str | None, m
                         "grpc_url": grpc_url, "pool": args.pool, "features": args.features, "min_len": args.min_len,
                         "max_len": args.max_len, "seed": 1, "duration": args.duration, "warmup": args.warmup,
                         "client": args.client}
+                before = server_batches(http_url, model)
                 res = await asyncio.to_thread(run_distributed, cell, args.clients)
+                batches, seqs, compute = (b - a for a, b in zip(before, server_batches(http_url, model)))
+                res["server_batches"] = batches
+                res["avg_batch"] = seqs / batches if batches else None
+                res["compute_ms_per_batch"] = 1e3 * compute / batches if batches else None
+                res["engine_busy"] = compute / (args.duration + args.warmup)
                 row = {"protocol": protocol, "model": model, "batching": "off" if model.endswith("_nobatch") else "on",
                        "concurrency": conc, "clients": min(args.clients, conc), **res,
                        "engine_ms": args.engine_ms if conc == 1 else None}
@@ -545,12 +564,15 @@ def _format_row(r: dict) -> str:
     p50 = f"{r['p50_ms']:.1f}" if r["p50_ms"] is not None else "-"
     p99 = f"{r['p99_ms']:.1f}" if r["p99_ms"] is not None else "-"
     extra = f"{r['p50_ms'] - r['engine_ms']:.2f}" if r.get("engine_ms") is not None and r["p50_ms"] is not None else "-"
+    batch = f"{r['avg_batch']:.1f}" if r.get("avg_batch") else "-"
+    busy = f"{100 * r['engine_busy']:.0f}%" if r.get("engine_busy") is not None else "-"
     return (f"| {r['protocol']:<11} | {r['batching']:<8} | {r['concurrency']:>4} | {r['throughput_rps']:>9.1f} | "
-            f"{p50:>8} | {p99:>8} | {extra:>13} | {r['errors']:>6} |")
+            f"{p50:>8} | {p99:>8} | {extra:>13} | {batch:>9} | {busy:>11} | {r['errors']:>6} |")
 
 
-TABLE_HEAD = ("| protocol    | batching | conc |     req/s |  p50 ms  |  p99 ms  | p50 - engine | errors |\n"
-              "|-------------|----------|-----:|----------:|---------:|---------:|-------------:|-------:|")
+# avg batch: sequences per engine call; engine busy: share of the cell's time the engine computed (server's metrics)
+TABLE_HEAD = ("| protocol    | batching | conc |     req/s |  p50 ms  |  p99 ms  | p50 - engine | avg batch | engine busy | errors |\n"
+              "|-------------|----------|-----:|----------:|---------:|---------:|-------------:|----------:|------------:|-------:|")
 
 
 def main(argv: list[str] | None = None) -> int:
