@@ -7,6 +7,12 @@ State rows are the (layer, direction) pairs of every block in order; c rows coun
 only LSTM blocks. A model whose blocks have different Ho (or H for LSTM blocks) has
 no single state tensor: such a model refuses h0/c0 and returns h_n/c_n as None.
 
+An engine whose class sets ``skips_states`` also takes ``forward(..., states_needed=False)``:
+the caller will not read h_n/c_n, which may then come back as None. The cuDNN engine
+uses that freedom on causal models to run a ragged batch padded to equal lengths
+(one persistent-kernel launch instead of a launch per step; outputs past each length
+are zeroed, and outputs up to it do not depend on what follows).
+
 forward_blocks(x, lengths, states) -> (output, states) is the same computation with
 each block's state kept separately, ``states[k] = (h [B, L_k*D_k, Ho_k], c [B, L_k*D_k, H_k] | None)``,
 so it works for every model, including those with no single state tensor. Stateful
@@ -114,6 +120,7 @@ class Engine(ABC):
 
     name: str = "engine"
     spec: RNNSpec
+    skips_states: bool = False  # forward() takes states_needed=False (see the module docstring)
 
     @abstractmethod
     def forward(self, x: Any, lengths: Any = None, h0: Any = None, c0: Any = None) -> EngineOutput:

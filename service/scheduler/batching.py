@@ -162,7 +162,10 @@ def run_batch(engine: Any, parts: list[SequenceWork]) -> tuple[MergedBatch, list
     batch = merge(parts)
     if any(p.stream for p in parts):
         return batch, _run_with_block_states(engine, batch, parts)
-    out = engine.forward(batch.x, batch.lengths, batch.h0, batch.c0)
+    if getattr(engine, "skips_states", False) and not any({"h_n", "c_n"} & p.outputs for p in parts):
+        out = engine.forward(batch.x, batch.lengths, batch.h0, batch.c0, states_needed=False)
+    else:
+        out = engine.forward(batch.x, batch.lengths, batch.h0, batch.c0)
     return batch, split(engine.spec, batch, _host(out.output), _host(out.h_n), _host(out.c_n), parts)
 
 

@@ -634,3 +634,66 @@ def test_blocking_sync_gives_the_same_results():
     np.testing.assert_array_equal(a.output, b.output)
     np.testing.assert_array_equal(a.h_n, b.h_n)
     check_all(b, reference_run(model, x, lengths))
+
+
+def _flat_persistent_table(buckets=(1, 2, 4, 8)) -> AlgoTable:
+    # persistent kernels cost the same at every batch size here (launch-bound), STANDARD grows
+    per = []
+    for b in buckets:
+        std, pst = Trial(0, time_ms=10.0 + b), Trial(1, time_ms=3.0)
+        per.append(BucketChoice(b, 1, 3.0, {0: std, 1: pst}))
+    return AlgoTable(tuple(buckets), [per], steps=10)
+
+
+def test_plan_pads_a_ragged_batch_only_when_allowed_and_cheaper():
+    lengths = np.arange(10, 2, -1)  # 8 distinct lengths
+    padded = plan(_flat_persistent_table(), 8, 10, lengths, pad_ok=True)
+    assert len(padded) == 1 and padded[0].rows is None and padded[0].uniform and padded[0].algos == (1,)
+    assert padded[0].steps == 10 and padded[0].n == 8
+    not_allowed = plan(_flat_persistent_table(), 8, 10, lengths)
+    assert not (len(not_allowed) == 1 and not_allowed[0].uniform)
+    # where a bigger batch costs more, one long and many short sequences are cheaper as groups
+    skewed = np.array([10, 1, 1, 1, 1, 1, 1, 1])
+    groups = plan(_table(True), 8, 10, skewed, pad_ok=True)
+    assert len(groups) == 2
+
+
+@gpu
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_padded_run_without_states_is_exact(monkeypatch, cell):
+    import service.engines.cudnn.engine as engine_module
+    from service.engines.cudnn.autotune import Group
+
+    def padded_plan(table, b, t, lens, pad_ok=False):
+        assert pad_ok, "a causal model whose states are not needed may be padded"
+        return [Group(None, b, t, table.algos_for(b), True, table.seq_major_for(b))]
+
+    mod = make_torch(cell, 6, 24, 2, False, seed=43)
+    model = model_from_torch(mod)
+    rows = model.spec.state_layers
+    x, lengths = rand((6, 13, 6), seed=44), np.array([13, 1, 7, 13, 2, 9])
+    h0 = rand((6, rows, 24), 45, 0.5)
+    c0 = rand((6, rows, 24), 46, 0.5) if cell == "lstm" else None
+    eng = CudnnEngine(model)
+    try:
+        monkeypatch.setattr(engine_module, "plan", padded_plan)
+        out = eng.forward(x, lengths, h0, c0, states_needed=False)
+    finally:
+        eng.close()
+    ref = reference_run(model, x, lengths, h0, c0)
+    assert out.h_n is None and out.c_n is None
+    np.testing.assert_allclose(out.output, ref.output, rtol=RTOL, atol=ATOL)
+    assert not out.output[1, 1:].any() and not out.output[4, 2:].any()  # zeros past each length
+
+
+@gpu
+def test_bidirectional_is_never_padded():
+    mod = make_torch("lstm", 6, 16, 1, True, seed=47)
+    model = model_from_torch(mod)
+    x, lengths = rand((4, 9, 6), seed=48), np.array([9, 2, 5, 9])
+    eng = CudnnEngine(model)
+    try:
+        out = eng.forward(x, lengths, states_needed=False)
+    finally:
+        eng.close()
+    check_all(out, reference_run(model, x, lengths))

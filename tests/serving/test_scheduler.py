@@ -179,3 +179,34 @@ async def test_merge_and_split_trim_client_padding():
     assert ra["output"].shape == (2, 10, 8) and np.all(ra["output"][:, 3:] == 0)
     assert set(rb) == {"output", "h_n"} and rb["output"].shape == (1, 2, 8)
     np.testing.assert_allclose(ra["output_last"][1], out.output[1, 1], atol=0)
+
+
+class StatelessEngine(GatedEngine):
+    """An engine that may skip final states: records what each batch was asked for."""
+
+    skips_states = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[bool] = []
+
+    def forward(self, x, lengths=None, h0=None, c0=None, states_needed=True):
+        self.asked.append(states_needed)
+        out = self.inner.forward(x, lengths, h0, c0)
+        if not states_needed:
+            out.h_n = out.c_n = None
+        return out
+
+
+async def test_final_states_are_asked_for_only_when_a_request_wants_them():
+    engine = StatelessEngine()
+    sched = await _scheduler(engine, max_queue_delay_us=0)
+    last_only = SequenceWork(_work(5).x, np.array([3]), outputs=frozenset({"output_last"}))
+    res = await sched.submit(last_only)
+    assert engine.asked == [False] and set(res) == {"output_last"}
+    want = engine.inner.forward(last_only.x, last_only.lengths)
+    np.testing.assert_allclose(res["output_last"], want.output[:, 2], rtol=1e-6)
+    with_states = SequenceWork(_work(5).x, np.array([5]), outputs=frozenset({"output_last", "h_n"}))
+    res = await sched.submit(with_states)
+    assert engine.asked == [False, True] and res["h_n"].shape == (1, 2, 8)
+    await sched.stop()

@@ -63,6 +63,7 @@ class CudnnEngine(Engine):
     """
 
     name = "cudnn"
+    skips_states = True
 
     def __init__(self, model: PackedModel, precision: str | None = None, allow_tf32: bool | None = None,
                  max_batch_size: int | None = None, autotune: bool = True, device_id: int = 0,
@@ -110,6 +111,8 @@ class CudnnEngine(Engine):
         self._ctx = DeviceContext(self._lib, int(device_id))
         self.device_id = int(device_id)
         self._lock = threading.Lock()
+        # Outputs up to a step depend only on earlier steps: a ragged batch may be run padded.
+        self._causal = all(not b.bidirectional and not b.variant.get("reverse") for b in self.spec.blocks)
         self._runners: list[BlockRunner] = []
         try:
             with self._ctx.device, self._ctx.stream:
@@ -240,19 +243,22 @@ class CudnnEngine(Engine):
             self._ctx = None
 
     def forward(self, x: Any, lengths: Any = None, h0: Any = None, c0: Any = None,
-                output_device: str = "host") -> EngineOutput:
+                output_device: str = "host", states_needed: bool = True) -> EngineOutput:
         """Run the model; shapes as in :mod:`service.engines.base`.
 
         ``x``/``h0``/``c0`` may be NumPy (copied in through pinned memory) or CuPy
         (used in place when already C-contiguous in the engine's dtype).
         ``output_device="device"`` returns CuPy arrays without waiting for the GPU.
+        ``states_needed=False``: h_n/c_n may come back None, which lets a causal model run a
+        ragged batch padded to equal lengths when the plan finds that faster.
         """
         if output_device not in OUTPUT_DEVICES:
             raise InvalidInput(f"output_device must be 'host' or 'device', got '{output_device}'")
         x, b, t, lens, out_dtype = self._check(x, lengths, h0, c0)
+        pad_ok = self._causal and not states_needed
         with self._lock, self._ctx.device, self._ctx.stream:
             x_d, h0_d, c0_d = self._inputs(x, h0, c0)
-            y, hy, cy, _, _ = self._run(x_d, b, t, lens, lengths is None, self._block_views(h0_d, c0_d))
+            y, hy, cy, _, _ = self._run(x_d, b, t, lens, lengths is None, self._block_views(h0_d, c0_d), pad_ok)
             return self._outputs(y, hy, cy, out_dtype, output_device)
 
     def forward_blocks(self, x: Any, lengths: Any = None,
@@ -331,13 +337,17 @@ class CudnnEngine(Engine):
                 cys.append(None)
         return hy, cy, hys, cys
 
-    def _run(self, x_d, b, t, lens, uniform_lengths, states):
-        """Plan and run one call; returns (y, hy, cy, hys, cys): whole states (or None) and per-block views."""
+    def _run(self, x_d, b, t, lens, uniform_lengths, states, pad_ok=False):
+        """Plan and run one call; returns (y, hy, cy, hys, cys): whole states (or None) and per-block views.
+
+        ``pad_ok``: the plan may run a ragged batch at the full ``t`` for every sequence; the
+        outputs past each length are then zeroed and the final states are not valid (all None).
+        """
         cp = self._cp
         key = (b, t)
         groups = self._plans.get(key) if uniform_lengths else None
         if groups is None:
-            groups = plan(self._table, b, t, lens)
+            groups = plan(self._table, b, t, lens, pad_ok)
             if uniform_lengths and len(self._plans) < 1024:
                 self._plans[key] = groups
         hy, cy, hys, cys = self._new_states(b)
@@ -350,6 +360,10 @@ class CudnnEngine(Engine):
                 lens_key, lens_dev = (b, t, lens_host.tobytes()), cp.asarray(lens_host)
             y, _, _ = self._run_blocks(x_d, b, t, lens_key, lens_host, lens_dev, states, g.algos, g.seq_major,
                                        (hys, cys))
+            if g.uniform and int(lens.min()) < t:  # a padded run: see the docstring
+                keep = cp.arange(t, dtype=cp.int32)[None, :] < cp.asarray(lens.astype(np.int32))[:, None]
+                y *= keep[:, :, None]
+                return y, None, None, None, None
         else:
             y = self._run_groups(groups, x_d, b, t, states, hys, cys)
         return y, hy, cy, hys, cys
