@@ -35,12 +35,6 @@ from .transports.rest import create_rest_app
 
 log = logging.getLogger("rnnserve.app")
 
-# The batch worker thread gives up the GIL inside every cuDNN launch, copy and wait, and then
-# waits for it while the event loop decodes requests. Python makes a waiting thread wait up
-# to the switch interval (5 ms by default) before it asks for the GIL, several times a batch:
-# on an H200 that held a batch of ~30 sequences at ~6.5 ms where its work took ~3 ms.
-GIL_SWITCH_INTERVAL_S = 0.0002
-
 
 def build_dataplane(settings: ServeSettings) -> DataPlane:
     """Metrics registry, model registry and dataplane for ``settings`` (nothing is loaded yet)."""
@@ -178,7 +172,9 @@ def remove_stop_handlers() -> None:
 async def serve(settings: ServeSettings, dataplane: DataPlane | None = None,
                 stop_event: asyncio.Event | None = None) -> int:
     """Run the server until SIGTERM/SIGINT (or ``stop_event``), drain, and return the exit code."""
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    # The batch worker thread gives up the GIL in every cuDNN launch, copy and wait, then waits up to
+    # the switch interval for the event loop to hand it back, several times a batch (see the setting).
+    sys.setswitchinterval(settings.gil_switch_interval_us / 1e6)
     if settings.frontends > 1 and dataplane is None:
         from .frontends import serve_with_frontends
 
