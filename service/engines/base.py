@@ -121,6 +121,7 @@ class Engine(ABC):
     name: str = "engine"
     spec: RNNSpec
     skips_states: bool = False  # forward() takes states_needed=False (see the module docstring)
+    concurrent_batches: int = 1  # batches the scheduler keeps in flight (see service.scheduler)
 
     @abstractmethod
     def forward(self, x: Any, lengths: Any = None, h0: Any = None, c0: Any = None) -> EngineOutput:

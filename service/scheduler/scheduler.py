@@ -1,8 +1,8 @@
 """Scheduler: dynamic batching of ragged sequences for one model version.
 
 Every request becomes a waiting item with a future. One worker task per model
-forms batches and runs them, one at a time and in order, on a single worker thread
-(so the event loop never computes and a model's batches never overlap).
+forms batches and runs them in order on worker threads (so the event loop never
+computes); the engine runs one batch at a time.
 
 Batching policy
 ---------------
@@ -10,7 +10,12 @@ Batching policy
   with :class:`Unavailable` (HTTP 503, gRPC UNAVAILABLE).
 * Window: a batch runs when the waiting requests hold ``max_batch_size`` sequences,
   or when the oldest has waited ``max_queue_delay_us``, whichever comes first. While a
-  batch computes, new requests wait; the next batch is formed as soon as it finishes.
+  batch computes, new requests wait; the next batch is formed as soon as it finishes,
+  or, for an engine that sets ``concurrent_batches = 2`` (the cuDNN engine), as soon as
+  it starts: that batch then waits for the engine's lock in its worker thread and runs
+  the moment the first is done, instead of after the event loop has answered the first
+  batch's requests and come back (measured on an H200: a batch of ~22 took ~1.3 ms
+  of engine work and ~4.6 ms of scheduler cycle).
   The default delay is 0: a lone request never waits for company (no added latency at
   low load), and under load the queue fills while the engine computes, which batches
   as well as a delay would; measured in bench/serve.py.
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from types import SimpleNamespace
 from concurrent.futures import ThreadPoolExecutor
@@ -82,6 +88,10 @@ class Scheduler:
         self._task: asyncio.Task | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._labels = {"model": model, "version": version}
+        # Batches in flight: a GPU engine takes the next batch while the event loop is still answering
+        # the last one's requests (its own lock keeps engine calls in order, one at a time).
+        self._inflight = max(1, int(getattr(engine, "concurrent_batches", 1)))
+        self._turn = threading.Lock()
         # Label lookups take a lock and hash the labels: bind this model's counters and histograms
         # once. Gauges are looked up each time: an unload (or a reload's old copy) removes them.
         self._series = None if metrics is None else SimpleNamespace(**{
@@ -96,7 +106,8 @@ class Scheduler:
 
     async def start(self) -> None:
         """Start the worker task and thread."""
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rnnserve-{self.model}-{self.version}")
+        self._executor = ThreadPoolExecutor(max_workers=self._inflight,
+                                            thread_name_prefix=f"rnnserve-{self.model}-{self.version}")
         self._task = asyncio.create_task(self._loop(), name=f"scheduler-{self.model}-{self.version}")
         self._set_depth()
 
@@ -165,16 +176,21 @@ class Scheduler:
             self._metrics.queue_depth.labels(**self._labels).set(len(self._waiting))
 
     async def _loop(self) -> None:
+        running: set[asyncio.Task] = set()
         while True:
-            while not self._waiting:
-                if self._closing:
-                    return
-                self._wake.clear()
-                await self._wake.wait()
-            await self._batching_window()
-            batch = self._take_batch()
-            if batch:
-                await self._run(batch)
+            if self._waiting and len(running) < self._inflight:
+                await self._batching_window()
+                batch = self._take_batch()
+                if batch:
+                    task = asyncio.create_task(self._run(batch))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                    task.add_done_callback(lambda _: self._wake.set())
+                continue
+            if self._closing and not self._waiting and not running:
+                return
+            self._wake.clear()
+            await self._wake.wait()
 
     async def _batching_window(self) -> None:
         while self._waiting and not self._closing:
@@ -230,12 +246,17 @@ class Scheduler:
                 hi += 1
         return by_len[lo:hi]
 
+    def _timed_batch(self, parts: list[SequenceWork]) -> tuple[Any, list[dict[str, np.ndarray]], float]:
+        with self._turn:  # one batch on the engine at a time; the time counts from its turn
+            start = time.perf_counter()
+            merged, results = run_batch(self.engine, parts)
+            return merged, results, time.perf_counter() - start
+
     async def _run(self, batch: list[_Waiting]) -> None:
         parts = [w.work for w in batch]
-        start = time.perf_counter()
         loop = asyncio.get_running_loop()
         try:
-            merged, results = await loop.run_in_executor(self._executor, run_batch, self.engine, parts)
+            merged, results, elapsed = await loop.run_in_executor(self._executor, self._timed_batch, parts)
         except Exception as exc:  # noqa: BLE001 - a failed batch fails its requests, not the server
             sequences = sum(p.sequences for p in parts)
             if isinstance(exc, RNNServeError):
@@ -251,7 +272,6 @@ class Scheduler:
             for item in batch:
                 self._finish(item, error)
             return
-        elapsed = time.perf_counter() - start
         if self._series is not None:
             m = self._series
             m.compute_duration.observe(elapsed)

@@ -210,3 +210,27 @@ async def test_final_states_are_asked_for_only_when_a_request_wants_them():
     res = await sched.submit(with_states)
     assert engine.asked == [False, True] and res["h_n"].shape == (1, 2, 8)
     await sched.stop()
+
+
+class PipelinedEngine(GatedEngine):
+    concurrent_batches = 2
+
+
+@pytest.mark.parametrize("engine_cls,queued_while_held", [(GatedEngine, 3), (PipelinedEngine, 0)])
+async def test_a_pipelined_engine_gets_its_next_batch_while_one_runs(engine_cls, queued_while_held):
+    engine = engine_cls()
+    sched = await _scheduler(engine, max_queue_delay_us=0)
+    blocker = await _hold(engine, sched)
+    works = [_work(n, seed=n) for n in (4, 6, 5)]
+    tasks = [asyncio.create_task(sched.submit(w)) for w in works]
+    await asyncio.sleep(0.05)
+    # one batch is in the engine; a pipelined scheduler has already taken the next one off the queue
+    assert sched.depth == queued_while_held
+    assert len(engine.batches) == 1
+    engine.gate.set()
+    results = await asyncio.gather(blocker, *tasks)
+    assert engine.batches[1] == [4, 6, 5]
+    for w, res in zip(works, results[1:]):
+        want = engine.inner.forward(w.x, w.lengths)
+        np.testing.assert_allclose(res["output"], want.output, rtol=1e-5, atol=1e-6)
+    await sched.stop()

@@ -64,6 +64,7 @@ class CudnnEngine(Engine):
 
     name = "cudnn"
     skips_states = True
+    concurrent_batches = 2  # the next batch is ready while the GPU runs and the loop answers the last
 
     def __init__(self, model: PackedModel, precision: str | None = None, allow_tf32: bool | None = None,
                  max_batch_size: int | None = None, autotune: bool = True, device_id: int = 0,
