@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from .. import __version__
 from ..engines.base import split_block_states
@@ -31,6 +32,10 @@ class DataPlane:
         self.registry = registry
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self._stopping = False
+        # Bound counter/histogram series by labels: a labels() lookup takes a lock and hashes the
+        # labels on every request. Counters and histograms are never removed, so these stay valid;
+        # the keys are served (model, version) pairs and outcomes, plus model "" for unknown names.
+        self._series: dict[tuple, Any] = {}
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -113,9 +118,7 @@ class DataPlane:
                 arr = results[name]
                 outputs.append(InferTensor(name, datatype_of(arr), list(arr.shape), arr, dict(params.get(name, {}))))
         self._count(model_label, version_label, "success")
-        if self.metrics is not None:
-            self.metrics.request_duration.labels(model=model_label, version=version_label).observe(
-                time.perf_counter() - start)
+        self._bound("duration", model_label, version_label).observe(time.perf_counter() - start)
         return InferResponse(served.name, served.label, request.id, outputs)
 
     async def _stream_chunk(self, served: ServedVersion, stream: StreamRequest, work: SequenceWork,
@@ -153,7 +156,18 @@ class DataPlane:
 
     def _count(self, model: str, version: str, outcome: str) -> None:
         # Requests for unknown models are counted under model "" so clients cannot create series at will.
-        self.metrics.requests.labels(model=model, version=version, outcome=outcome).inc()
+        self._bound("requests", model, version, outcome).inc()
+
+    def _bound(self, kind: str, model: str, version: str, outcome: str = "") -> Any:
+        key = (kind, model, version, outcome)
+        series = self._series.get(key)
+        if series is None:
+            if kind == "requests":
+                series = self.metrics.requests.labels(model=model, version=version, outcome=outcome)
+            else:
+                series = self.metrics.request_duration.labels(model=model, version=version)
+            self._series[key] = series
+        return series
 
     # ---- repository extension --------------------------------------------------------------------------------
 

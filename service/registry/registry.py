@@ -229,7 +229,7 @@ class ModelRegistry:
                 entry.versions[v] = sv
         for v, previous in old.items():
             if entry.versions.get(v) is not previous:
-                await self._retire(previous, drain=True)
+                await self._retire(previous, drain=True, forget=v not in fresh)
                 if v not in fresh:
                     del entry.versions[v]
                 elif entry.versions[v].streams is not None and previous.streams is not None:
@@ -299,7 +299,8 @@ class ModelRegistry:
                 sv.reason = "unloaded"
             entry.state, entry.reason = ModelState.UNAVAILABLE, "unloaded"
 
-    async def _retire(self, sv: ServedVersion, drain: bool) -> None:
+    async def _retire(self, sv: ServedVersion, drain: bool, forget: bool = True) -> None:
+        """Stop serving ``sv``; ``forget``: drop its gauges too (not when a reload's new copy now owns them)."""
         was_serving = sv.scheduler is not None
         sv.state = ModelState.UNLOADING if was_serving else sv.state
         if sv.scheduler is not None:
@@ -313,12 +314,14 @@ class ModelRegistry:
                 await asyncio.to_thread(sv.engine.close)
             except Exception:  # noqa: BLE001 - a failing close must not block unloading
                 log.exception("closing the engine of %s version %s failed", sv.name, sv.version)
-            if self.metrics is not None:
+            if self.metrics is not None and forget:
                 try:
                     self.metrics.model_engine.remove(sv.name, sv.label, sv.engine.name)
                 except KeyError:
                     pass
             sv.engine = None
+        if self.metrics is not None and forget:
+            self.metrics.forget_model(sv.name, sv.label)
         sv.model = None
         if was_serving:
             sv.state = ModelState.UNAVAILABLE

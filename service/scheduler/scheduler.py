@@ -92,12 +92,12 @@ class Scheduler:
         # the last one's requests (its own lock keeps engine calls in order, one at a time).
         self._inflight = max(1, int(getattr(engine, "concurrent_batches", 1)))
         self._turn = threading.Lock()
-        # Label lookups take a lock and hash the labels: bind this model's counters and histograms
-        # once. Gauges are looked up each time: an unload (or a reload's old copy) removes them.
+        # Label lookups take a lock and hash the labels: bind this model's series once. The registry
+        # removes the gauges only when the version goes away for good (not when a reload replaces it).
         self._series = None if metrics is None else SimpleNamespace(**{
             name: getattr(metrics, name).labels(**self._labels)
             for name in ("batch_failures", "compute_duration", "batch_size", "batch_timesteps",
-                         "computed_timesteps", "useful_timesteps", "queue_duration")})
+                         "computed_timesteps", "useful_timesteps", "queue_duration", "queue_depth")})
 
     @property
     def depth(self) -> int:
@@ -123,8 +123,6 @@ class Scheduler:
             await self._task
         if self._executor is not None:
             self._executor.shutdown(wait=True)
-        if self._metrics is not None:
-            self._metrics.forget_model(self.model, self.version)
 
     async def submit(self, work: SequenceWork, deadline: float | None = None) -> dict[str, np.ndarray]:
         """Queue ``work`` and wait for its outputs; ``deadline`` is a ``time.monotonic()`` value or None."""
@@ -173,7 +171,7 @@ class Scheduler:
 
     def _set_depth(self) -> None:
         if self._metrics is not None:
-            self._metrics.queue_depth.labels(**self._labels).set(len(self._waiting))
+            self._series.queue_depth.set(len(self._waiting))
 
     async def _loop(self) -> None:
         running: set[asyncio.Task] = set()

@@ -118,3 +118,19 @@ async def test_metrics_exposition(repo):
     assert _value(m["rnnserve_model_engine"], "rnnserve_model_engine", engine="reference", **lab) == 1
     assert _value(m["rnnserve_model_load_duration_seconds"], "rnnserve_model_load_duration_seconds_count", **lab) == 1
     assert _value(m["rnnserve_device_memory_bytes"], "rnnserve_device_memory_bytes", device="cpu") == 0
+
+
+async def test_reload_keeps_the_gauges_and_unload_drops_them(repo):
+    x = np.random.default_rng(0).standard_normal((1, 4, 4)).astype(np.float32)
+    lab = {"model": "lstm", "version": "1"}
+    async with rest_client(repo) as (client, _):
+        assert (await client.post("/v2/repository/models/lstm/load")).status_code == 200  # a reload
+        assert (await client.post("/v2/models/lstm/infer", json=_body(x, [4]))).status_code == 200
+        m = _metrics((await client.get("/metrics")).text)
+        assert _value(m["rnnserve_model_ready"], "rnnserve_model_ready", **lab) == 1
+        assert _value(m["rnnserve_queue_depth"], "rnnserve_queue_depth", **lab) == 0
+        assert _value(m["rnnserve_model_engine"], "rnnserve_model_engine", engine="reference", **lab) == 1
+        assert (await client.post("/v2/repository/models/lstm/unload")).status_code == 200
+        m = _metrics((await client.get("/metrics")).text)
+        for gauge in ("rnnserve_model_ready", "rnnserve_queue_depth", "rnnserve_model_engine"):
+            assert not [s for s in m.get(gauge, []) if s.labels.get("model") == "lstm"], gauge
