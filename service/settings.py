@@ -55,7 +55,7 @@ class ServeSettings(BaseSettings):
         1, ge=1, le=64,
         description="HTTP/gRPC front-end processes. 1 serves everything in one process; N > 1 starts N processes "
                     "that share the ports and forward decoded requests to this one, which runs the engines, "
-                    "batching and streams (one Python process parses ~2,000 requests/s).",
+                    "batching and streams (one Python process serves ~2,000-4,000 requests/s).",
     )
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
         "auto", description="Event loop: uvloop (faster per request), asyncio (the standard loop) or auto (uvloop "

@@ -1,6 +1,6 @@
 """The DataPlane across processes: several front-end processes, one engine process.
 
-One Python process tops out near 2,000-2,500 requests/s in HTTP and gRPC parsing and
+One Python process tops out near 2,000-4,000 requests/s in HTTP and gRPC parsing and
 encoding (measured on an H200 host, where the cuDNN engine had room for far more), so
 ``rnnserve serve --frontends N`` runs N front-end processes that share the HTTP and
 gRPC ports (SO_REUSEPORT) and forward decoded requests to the engine process, which
