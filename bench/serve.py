@@ -11,7 +11,11 @@ Each request asks for ``output_last`` (many-to-one), the common serving case.
     python bench/serve.py --url 127.0.0.1:8000 --grpc-url 127.0.0.1:8001 --model kws --no-compare
 
 Client and server share the machine's cores, so numbers on small machines are a
-lower bound. The table prints requests/s, sequences/s and p50/p99 latency in ms.
+lower bound. The table prints requests/s, p50/p99 latency in ms, and from the server's
+/metrics the average batch (sequences per engine call) and how busy the engine was.
+The default client (``--client lean``) sends pre-encoded requests on raw keep-alive
+HTTP connections or a raw gRPC channel and parses each answer, so that the numbers are
+the server's; ``--client standard`` drives aiohttp and tritonclient.grpc.aio instead.
 
 The ``streams`` scenario (in the default run; alone with ``--scenario streams``)
 serves a second LSTM, ``bench_stream`` (2 layers, H=256 by default, max_batch_size
