@@ -134,6 +134,12 @@ class RNNSpec:
         return last.directions * last.output_size
 
     @property
+    def causal(self) -> bool:
+        """True when every block reads forward only: step t's output depends on steps <= t alone
+        (a sequence can be streamed in chunks, and padding after a sequence does not change it)."""
+        return all(not b.bidirectional and not b.variant.get("reverse") for b in self.blocks)
+
+    @property
     def is_lstm(self) -> bool:
         """True when some block carries a cell state."""
         return any(b.cell == "lstm" for b in self.blocks)

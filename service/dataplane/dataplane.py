@@ -36,6 +36,7 @@ class DataPlane:
         # labels on every request. Counters and histograms are never removed, so these stay valid;
         # the keys are served (model, version) pairs and outcomes, plus model "" for unknown names.
         self._series: dict[tuple, Any] = {}
+        self._signatures: dict[int, tuple[Any, ModelSignature]] = {}
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -69,7 +70,7 @@ class DataPlane:
             self.registry.serving(name, version)  # raises Unavailable with the reason
         entry = self.registry.entry(name)
         versions = sorted(v for v, sv in entry.versions.items() if sv.state == ModelState.READY)
-        sig = ModelSignature.of(served.model.spec)
+        sig = self._signature(served.model.spec)
         return {
             "name": name,
             "versions": [str(v) for v in versions],
@@ -95,7 +96,7 @@ class DataPlane:
         try:
             served = self.registry.serving(request.model_name, request.model_version)
             model_label, version_label = served.name, served.label
-            sig = ModelSignature.of(served.model.spec)
+            sig = self._signature(served.model.spec)
             deadline = request_deadline(request.parameters)
             stream = stream_request(request.parameters)
             work = to_work(request, sig, served.config.max_sequence_length, stream)
@@ -153,6 +154,15 @@ class DataPlane:
             if stream.end:
                 store.close(state)
         return results
+
+    def _signature(self, spec: Any) -> ModelSignature:
+        """The signature of a loaded model's spec, built once per spec (it is read on every request)."""
+        hit = self._signatures.get(id(spec))
+        if hit is None or hit[0] is not spec:  # the stored spec is kept, so its id cannot be reused meanwhile
+            if len(self._signatures) > 1024:  # loads and reloads over a long life
+                self._signatures.clear()
+            hit = self._signatures[id(spec)] = (spec, ModelSignature.of(spec))
+        return hit[1]
 
     def _count(self, model: str, version: str, outcome: str) -> None:
         # Requests for unknown models are counted under model "" so clients cannot create series at will.

@@ -14,6 +14,7 @@ has no ``h_0``/``c_0``/``h_n``/``c_n``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..spec import RNNSpec
 
@@ -48,33 +49,33 @@ class ModelSignature:
     @classmethod
     def of(cls, spec: RNNSpec) -> "ModelSignature":
         cell_size = spec.cell_state_size if spec.is_lstm else None
-        causal = all(not b.bidirectional and not b.variant.get("reverse") for b in spec.blocks)
         return cls(spec.input_size, spec.output_size, spec.state_layers, spec.state_size,
-                   spec.cell_state_layers, cell_size, causal)
+                   spec.cell_state_layers, cell_size, spec.causal)
 
-    @property
-    def inputs(self) -> list[TensorSpec]:
-        out = [TensorSpec("input", "FP32", (-1, -1, self.input_size)), TensorSpec("lengths", "INT32", (-1,))]
+    # Read on every request: computed once per signature (cached_property stores into the
+    # instance __dict__, which a frozen dataclass allows).
+    @cached_property
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        return (TensorSpec("input", "FP32", (-1, -1, self.input_size)), TensorSpec("lengths", "INT32", (-1,)),
+                *self._states("h_0", "c_0"))
+
+    @cached_property
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        return (TensorSpec("output", "FP32", (-1, -1, self.output_size)),
+                TensorSpec("output_last", "FP32", (-1, self.output_size)), *self._states("h_n", "c_n"))
+
+    def _states(self, h: str, c: str) -> list[TensorSpec]:
+        out = []
         if self.state_size is not None:
-            out.append(TensorSpec("h_0", "FP32", (-1, self.state_rows, self.state_size)))
+            out.append(TensorSpec(h, "FP32", (-1, self.state_rows, self.state_size)))
         if self.cell_size is not None:
-            out.append(TensorSpec("c_0", "FP32", (-1, self.cell_rows, self.cell_size)))
+            out.append(TensorSpec(c, "FP32", (-1, self.cell_rows, self.cell_size)))
         return out
 
-    @property
-    def outputs(self) -> list[TensorSpec]:
-        out = [TensorSpec("output", "FP32", (-1, -1, self.output_size)),
-               TensorSpec("output_last", "FP32", (-1, self.output_size))]
-        if self.state_size is not None:
-            out.append(TensorSpec("h_n", "FP32", (-1, self.state_rows, self.state_size)))
-        if self.cell_size is not None:
-            out.append(TensorSpec("c_n", "FP32", (-1, self.cell_rows, self.cell_size)))
-        return out
+    @cached_property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.inputs)
 
-    @property
-    def input_names(self) -> list[str]:
-        return [t.name for t in self.inputs]
-
-    @property
-    def output_names(self) -> list[str]:
-        return [t.name for t in self.outputs]
+    @cached_property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.outputs)

@@ -6,7 +6,7 @@ import pytest
 
 from service.errors import ConversionError
 from service.packing import LayerWeights, block_layout, block_param_count, pack_block, unpack_block
-from service.spec import BlockSpec
+from service.spec import BlockSpec, RNNSpec
 
 
 def test_lstm_3_5_matrices_then_biases():
@@ -77,3 +77,11 @@ def test_pack_rejects_wrong_shapes_and_nan():
     with pytest.raises(ConversionError, match="no projection matrix"):
         pack_block(BlockSpec("lstm", 3, 4, proj_size=2),
                    [LayerWeights(np.zeros((16, 3)), np.zeros((16, 2)), np.zeros(16), np.zeros(16))])
+
+
+def test_causal_means_every_block_reads_forward():
+    fwd = BlockSpec("lstm", 4, 8, num_layers=2)
+    assert RNNSpec((fwd,)).causal
+    assert RNNSpec((fwd, BlockSpec("gru", 8, 6))).causal
+    assert not RNNSpec((fwd, BlockSpec("gru", 8, 6, bidirectional=True))).causal
+    assert not RNNSpec((BlockSpec("gru", 4, 6, variant={"reverse": True}),)).causal

@@ -112,8 +112,6 @@ class CudnnEngine(Engine):
         self._ctx = DeviceContext(self._lib, int(device_id))
         self.device_id = int(device_id)
         self._lock = threading.Lock()
-        # Outputs up to a step depend only on earlier steps: a ragged batch may be run padded.
-        self._causal = all(not b.bidirectional and not b.variant.get("reverse") for b in self.spec.blocks)
         self._runners: list[BlockRunner] = []
         try:
             with self._ctx.device, self._ctx.stream:
@@ -256,7 +254,7 @@ class CudnnEngine(Engine):
         if output_device not in OUTPUT_DEVICES:
             raise InvalidInput(f"output_device must be 'host' or 'device', got '{output_device}'")
         x, b, t, lens, out_dtype = self._check(x, lengths, h0, c0)
-        pad_ok = self._causal and not states_needed
+        pad_ok = self.spec.causal and not states_needed  # padding after a sequence cannot change it
         with self._lock, self._ctx.device, self._ctx.stream:
             x_d, h0_d, c0_d = self._inputs(x, h0, c0)
             y, hy, cy, _, _ = self._run(x_d, b, t, lens, lengths is None, self._block_views(h0_d, c0_d), pad_ok)
