@@ -340,3 +340,24 @@ async def test_model_ready_of_a_broken_folder_is_false(repo):
         assert r.status_code == 503 and r.json()["ready"] is False
         r = await client.get("/v2/models/empty")
         assert r.status_code == 503 and "has no version folder" in r.json()["error"]
+
+
+async def test_fastapi_infer_route_answers_like_the_fast_path(repo):
+    # InferFastPath answers /infer first; the FastAPI route (what /docs shows) must give the same answers.
+    import httpx
+
+    from service.transports.rest import create_rest_app
+
+    x = np.random.default_rng(5).standard_normal((2, 5, 4)).astype(np.float32)
+    requests = [("/v2/models/lstm/infer", _infer_body(x, np.array([5, 3]))),
+                ("/v2/models/lstm/versions/1/infer", _infer_body(x)),
+                ("/v2/models/nope/infer", _infer_body(x)),
+                ("/v2/models/lstm/infer", _infer_body(x[:, :, :3]))]
+    async with rest_client(repo) as (fast, dataplane):
+        app = create_rest_app(dataplane)
+        app.user_middleware.clear()  # before the first request builds the middleware stack
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as routed:
+            for path, body in requests:
+                a, b = await fast.post(path, json=body), await routed.post(path, json=body)
+                assert a.status_code == b.status_code and a.json() == b.json(), path
+    assert [r for r in app.routes if getattr(r, "path", "") == "/v2/models/{model}/infer"]
