@@ -19,7 +19,7 @@ Label = tuple[str, ...]   # atoms "T", "B", "D", "H"; () is an axis of size 1
 
 
 class _Unfollowable(Exception):
-    pass
+    """An op between two recurrent nodes whose effect on the axis labels cannot be followed (the message says why)."""
 
 
 @dataclass

@@ -7,6 +7,7 @@ per-model series carries ``model`` and ``version`` labels.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -87,10 +88,8 @@ class ServerMetrics:
     def forget_model(self, model: str, version: str) -> None:
         """Drop the gauges of an unloaded version (counters and histograms keep their history)."""
         for gauge in (self.queue_depth, self.model_ready, self.active_streams):
-            try:
+            with contextlib.suppress(KeyError):  # never set for this version
                 gauge.remove(model, version)
-            except KeyError:
-                pass
 
     def render(self) -> bytes:
         """Prometheus text exposition of every series."""

@@ -15,6 +15,7 @@ every loadable model is then READY.
 """
 from __future__ import annotations
 
+import contextlib
 import asyncio
 import logging
 import re
@@ -315,10 +316,8 @@ class ModelRegistry:
             except Exception:  # noqa: BLE001 - a failing close must not block unloading
                 log.exception("closing the engine of %s version %s failed", sv.name, sv.version)
             if self.metrics is not None and forget:
-                try:
+                with contextlib.suppress(KeyError):  # never set: the load failed before
                     self.metrics.model_engine.remove(sv.name, sv.label, sv.engine.name)
-                except KeyError:
-                    pass
             sv.engine = None
         if self.metrics is not None and forget:
             self.metrics.forget_model(sv.name, sv.label)

@@ -40,6 +40,7 @@ together and chunks of one stream never share a batch.
 """
 from __future__ import annotations
 
+import contextlib
 import asyncio
 import logging
 import threading
@@ -163,10 +164,8 @@ class Scheduler:
 
     def _drop(self, item: _Waiting) -> None:
         item.state = _DROPPED
-        try:
+        with contextlib.suppress(ValueError):  # already taken into a batch
             self._waiting.remove(item)
-        except ValueError:
-            pass
         self._set_depth()
 
     def _set_depth(self) -> None:

@@ -20,6 +20,7 @@ Enum values are those of ``cudnn_adv.h`` / ``cudnn_graph.h`` (layouts.md section
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
@@ -205,10 +206,8 @@ def load_library(candidates: list[tuple[str, str]] | None = None) -> CudnnLibrar
                     if os.path.exists(sib_path):
                         # The dispatcher dlopens these by soname; loading them globally first makes
                         # that independent of LD_LIBRARY_PATH. A failure here is left to the dispatcher.
-                        try:
+                        with contextlib.suppress(OSError):
                             ctypes.CDLL(sib_path, mode=ctypes.RTLD_GLOBAL)
-                        except OSError:
-                            pass
             lib = ctypes.PyDLL(path, mode=ctypes.RTLD_GLOBAL)
             nogil = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # the same loaded library (dlopen counts)
         except OSError as exc:
