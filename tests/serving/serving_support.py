@@ -152,3 +152,12 @@ def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> int:
     return proc.wait(timeout=timeout)
 
 
+
+
+def triton_inputs(module: Any, x: np.ndarray, lengths: np.ndarray) -> list:
+    """``input`` (FP32) and ``lengths`` (INT32) as tritonclient InferInputs of ``module`` (.grpc or .http)."""
+    a = module.InferInput("input", list(x.shape), "FP32")
+    a.set_data_from_numpy(x)
+    b = module.InferInput("lengths", list(lengths.shape), "INT32")
+    b.set_data_from_numpy(lengths)
+    return [a, b]

@@ -21,6 +21,7 @@ from service.registry import ModelRegistry
 from service.repository import PackedModel
 from service.spec import BlockSpec, RNNSpec
 from service.transports.grpc import create_grpc_server
+from serving_support import triton_inputs
 
 SPEC = RNNSpec((BlockSpec("lstm", 3, 5, 2, False, 0),))
 
@@ -62,14 +63,6 @@ def served(tmp_path_factory):
         loop.close()
 
 
-def _inputs(x: np.ndarray, lengths: np.ndarray) -> list[tg.InferInput]:
-    a = tg.InferInput("input", list(x.shape), "FP32")
-    a.set_data_from_numpy(x)
-    b = tg.InferInput("lengths", list(lengths.shape), "INT32")
-    b.set_data_from_numpy(lengths)
-    return [a, b]
-
-
 def test_infer_matches_reference_engine(served):
     url, engine = served
     x = np.random.default_rng(1).standard_normal((3, 6, 3)).astype(np.float32)
@@ -79,7 +72,7 @@ def test_infer_matches_reference_engine(served):
         assert client.is_server_ready() and client.is_model_ready("lstm")
         meta = client.get_model_metadata("lstm", as_json=True)
         assert [t["name"] for t in meta["inputs"]] == ["input", "lengths", "h_0", "c_0"]
-        result = client.infer("lstm", _inputs(x, lengths), request_id="q1")
+        result = client.infer("lstm", triton_inputs(tg, x, lengths), request_id="q1")
     assert result.get_response().id == "q1"
     np.testing.assert_allclose(result.as_numpy("output"), expected.output, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(result.as_numpy("h_n"), expected.h_n, rtol=1e-5, atol=1e-6)
@@ -94,13 +87,13 @@ def test_stream_and_errors_through_real_dataplane(served):
     with tg.InferenceServerClient(url) as client:
         client.start_stream(callback=lambda result, error: results.put((result, error)), stream_timeout=30)
         for arr in (x, wrong, x):
-            client.async_stream_infer("lstm", _inputs(arr, np.array([4], dtype=np.int32)),
+            client.async_stream_infer("lstm", triton_inputs(tg, arr, np.array([4], dtype=np.int32)),
                                       outputs=[tg.InferRequestedOutput("output_last")])
         got = [results.get(timeout=30) for _ in range(3)]
         client.stop_stream()
 
         with pytest.raises(InferenceServerException) as info:
-            client.infer("nope", _inputs(x, np.array([4], dtype=np.int32)))
+            client.infer("nope", triton_inputs(tg, x, np.array([4], dtype=np.int32)))
         assert info.value.status() == "StatusCode.NOT_FOUND"
         assert "unknown model 'nope'" in info.value.message()
 

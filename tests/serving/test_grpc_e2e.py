@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from serving_support import triton_inputs
+
 tg = pytest.importorskip("tritonclient.grpc")
 
 pytestmark = pytest.mark.slow
@@ -25,14 +27,6 @@ def _fixture(request, name):
 
 def _host_port(url: str) -> str:
     return url.split("://", 1)[-1].rstrip("/")
-
-
-def _inputs(module, x: np.ndarray, lengths: np.ndarray):
-    a = module.InferInput("input", list(x.shape), "FP32")
-    a.set_data_from_numpy(x)
-    b = module.InferInput("lengths", list(lengths.shape), "INT32")
-    b.set_data_from_numpy(lengths)
-    return [a, b]
 
 
 def test_tritonclient_grpc_against_real_server(request):
@@ -54,12 +48,12 @@ def test_tritonclient_grpc_against_real_server(request):
 
         x = np.random.default_rng(0).standard_normal((2, 5, features)).astype(np.float32)
         lengths = np.array([5, 3], dtype=np.int32)
-        result = client.infer(name, _inputs(tg, x, lengths), request_id="e2e")
+        result = client.infer(name, triton_inputs(tg, x, lengths), request_id="e2e")
         assert result.get_response().id == "e2e"
         got = {o: result.as_numpy(o) for o in ("output", "output_last", "h_n", "c_n")}
 
         with pytest.raises(tg.InferenceServerException) as info:
-            client.infer("no-such-model", _inputs(tg, x, lengths))
+            client.infer("no-such-model", triton_inputs(tg, x, lengths))
         assert info.value.status() == "StatusCode.NOT_FOUND"
 
     repository = _fixture(request, "model_repository")
@@ -74,6 +68,6 @@ def test_tritonclient_grpc_against_real_server(request):
     else:
         th = pytest.importorskip("tritonclient.http")
         with th.InferenceServerClient(_host_port(http_url)) as rest:
-            via_rest = rest.infer(name, _inputs(th, x, lengths))
+            via_rest = rest.infer(name, triton_inputs(th, x, lengths))
         for output, value in got.items():
             np.testing.assert_allclose(value, via_rest.as_numpy(output), rtol=1e-6, atol=1e-7)
