@@ -8,7 +8,6 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from .. import __version__
 from ..errors import ConversionError, InvalidInput

@@ -74,7 +74,7 @@ def unpack_block(spec: BlockSpec, flat: np.ndarray) -> list[LayerWeights]:
     expected = block_param_count(spec)
     if flat.shape != (expected,):
         raise ConversionError(f"block buffer has {flat.size} elements, spec needs {expected}")
-    g, h, ho = spec.gates, spec.hidden_size, spec.output_size
+    g = spec.gates
     out: list[LayerWeights] = []
     entries = block_layout(spec)
     by_key = {(e.kind, e.pseudo_layer, e.lin_id): e for e in entries}

@@ -25,7 +25,6 @@ Substitutions, and why:
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import shutil
 import signal
