@@ -3,8 +3,8 @@
 # benchmarks, logs and JSON written to $OUT. The machine has no package index, so the
 # wheels it lacks travel in .gpu-wheels (FastAPI, uvicorn, pydantic, tritonclient, grpcio...).
 #   usage (device tool, carry .gpu-wheels):  bash bench/gpu_run.sh [tests|serve|engine|profile|all]
-# profile (also carry .gpu-extra, which holds a py-spy wheel): py-spy samples of the engine process
-# of `rnnserve serve --frontends 6` under gRPC and binary-HTTP load at concurrency 64.
+# profile: py-spy samples (per thread) of the engine process of `rnnserve serve --frontends 6` under
+# binary-HTTP and gRPC load at concurrency 64 and under 256 paced streams (py-spy wheel in .gpu-wheels).
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-bench/results}
@@ -24,8 +24,10 @@ if [ "$what" = all ] || [ "$what" = engine ]; then
   timeout 200 python3 bench/gpu_engine.py --out "$OUT/gpu_engine.json" 2>&1 | tee "$OUT/gpu_engine.log" || rc=1
 fi
 if [ "$what" = profile ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/spy .gpu-extra/py_spy-*.whl
-  python3 -c "import sys; sys.path.insert(0, 'bench'); import serve, pathlib; serve.write_repository(pathlib.Path('/tmp/prepo'), 40, 128, 1)"
+  # py-spy travels in .gpu-wheels (installed into /tmp/site with the rest)
+  spy=/tmp/site/bin/py-spy
+  python3 -c "import sys; sys.path.insert(0, 'bench'); import serve, pathlib; r = pathlib.Path('/tmp/prepo'); \
+serve.write_repository(r, 40, 128, 1); serve.write_stream_model(r, 40, 256, 2)"
   python3 -m service.cli serve --repository /tmp/prepo --host 127.0.0.1 --http-port 18000 --grpc-port 18001 \
     --device cuda --frontends ${FRONTENDS:-6} --log-level warning > "$OUT/profile_server.log" 2>&1 &
   spid=$!
@@ -35,13 +37,18 @@ for _ in range(240):
     try:
         if urllib.request.urlopen('http://127.0.0.1:18000/v2/health/ready', timeout=2).status == 200: break
     except Exception: time.sleep(0.5)"
-  for proto in grpc http-binary; do
-    python3 bench/serve.py --url 127.0.0.1:18000 --grpc-url 127.0.0.1:18001 --no-compare --protocols $proto \
-      --concurrency 64 --duration 8 --warmup 1 --clients ${CLIENTS:-4} --scenario requests 2>&1 | tee -a "$OUT/profile_load.log" &
+  for proto in http-binary grpc streams; do
+    if [ $proto = streams ]; then
+      python3 bench/serve.py --url 127.0.0.1:18000 --grpc-url 127.0.0.1:18001 --scenario streams --device cuda \
+        --streams 256 --chunk-interval-ms 100 --paced-seconds 9 --clients ${CLIENTS:-6} 2>&1 | tee -a "$OUT/profile_load.log" &
+    else
+      python3 bench/serve.py --url 127.0.0.1:18000 --grpc-url 127.0.0.1:18001 --no-compare --protocols $proto \
+        --concurrency 64 --duration 8 --warmup 1 --clients ${CLIENTS:-4} --scenario requests 2>&1 | tee -a "$OUT/profile_load.log" &
+    fi
     lpid=$!
     sleep 4
-    top -b -n 1 -w 200 | head -30 > "$OUT/top_$proto.log"
-    /tmp/spy/bin/py-spy record -p $spid -d 4 -r 250 -f raw -o "$OUT/engine_$proto.txt" --nonblocking > /dev/null 2>&1
+    { echo "== $proto"; top -b -n 1 -w 200 | head -30; } >> "$OUT/top.log"
+    $spy record -p $spid -d 4 -r 500 -t -f raw -o "$OUT/engine_$proto.txt" --nonblocking >> "$OUT/profile_load.log" 2>&1
     wait $lpid
   done
   kill -TERM $spid; wait $spid

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from . import eventloop
 from .dataplane import DataPlane
 from .errors import RNNServeError
+from .heap import freeze_heap
 from .metrics import ServerMetrics
 from .registry import DEFAULTED_FIELDS, ModelRegistry
 from .settings import ServeSettings
@@ -188,6 +189,7 @@ async def serve(settings: ServeSettings, dataplane: DataPlane | None = None,
 
     install_stop_handlers(stop)
     load_task = asyncio.create_task(dataplane.start(), name="load-models")
+    load_task.add_done_callback(lambda _: freeze_heap())  # models loaded: see service.heap
     load_task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.error(
         "loading the repository failed: %s", t.exception()))
 

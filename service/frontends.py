@@ -26,6 +26,7 @@ from . import eventloop
 from .app import Transports, _free_port, build_dataplane, install_stop_handlers, remove_stop_handlers
 from .dataplane.remote import DataPlaneServer, RemoteDataPlane
 from .errors import RNNServeError
+from .heap import freeze_heap
 from .settings import ServeSettings
 
 log = logging.getLogger("rnnserve.frontends")
@@ -58,6 +59,7 @@ async def _frontend(settings: ServeSettings, socket_path: str, started: Any) -> 
     await dataplane.connect()
     transports = await Transports.start(dataplane, settings, reuse_port=True)
     install_stop_handlers(stop)
+    freeze_heap()
     started.put(("ok", os.getpid()))
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({stopper, transports.http_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -102,6 +104,7 @@ async def serve_with_frontends(settings: ServeSettings, stop_event: asyncio.Even
         log.info("%s; %d front-end processes; loading models from %s on device %s", line, len(procs),
                  settings.repository, settings.device)
         load_task = asyncio.create_task(dataplane.start(), name="load-models")
+        load_task.add_done_callback(lambda _: freeze_heap())  # models loaded: see service.heap
         watch = asyncio.create_task(_watch(procs))
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({stopper, watch}, return_when=asyncio.FIRST_COMPLETED)

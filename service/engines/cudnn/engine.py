@@ -16,6 +16,7 @@ results are returned as float32, since NumPy and CuPy have no bfloat16 dtype.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import replace
@@ -30,9 +31,12 @@ from ..base import (BlockState, Engine, EngineOutput, check_block_states, check_
 from . import library as L
 from .autotune import AlgoTable, BucketChoice, Group, Trial, batch_buckets, choose, plan
 from .block import AlgorithmRejected
+from .copies import gather_rows, swap01, warm
 
 OUTPUT_DEVICES = ("host", "device")
 LAYOUTS = ("batch_major", "seq_major")
+
+log = logging.getLogger("rnnserve.engines.cudnn")
 
 
 def _import_cupy():
@@ -123,6 +127,7 @@ class CudnnEngine(Engine):
                 self._buckets = batch_buckets(self.max_batch_size, buckets)
                 self._table = self._tune(autotune, steps)
                 self._tune_layouts(autotune, steps)
+                self._warm_paths(steps)
         except L.CudnnError as exc:
             self.close()
             raise EngineUnavailable(f"cuDNN cannot run model '{model.name or '?'}': {exc}") from exc
@@ -135,6 +140,35 @@ class CudnnEngine(Engine):
         self.load_ms = (time.perf_counter() - started) * 1000.0
 
     # -- load -------------------------------------------------------------------------------------
+
+    def _warm_paths(self, steps: int) -> None:
+        """Run each batch path once at load (ragged groups, padded runs, stream states).
+
+        CuPy compiles a kernel (NVRTC, tens of ms) the first time an indexing pattern or
+        dtype meets it; profiled under load on an H200, that was 7 % of the first seconds of
+        serving, and a long stall for the requests of those batches.
+        """
+        warm(self._cp)
+        try:
+            self._run_warm_batches(max(2, steps))
+        except Exception as exc:  # noqa: BLE001 - a shape it cannot run fails that request, not the load
+            log.warning("model %s: warming the batch paths failed (%s: %s); kernels compile on first use",
+                        self.model.name or "?", type(exc).__name__, exc)
+
+    def _run_warm_batches(self, t: int) -> None:
+        feat = self.spec.blocks[0].input_size
+        for b in self._buckets:
+            if b < 4:
+                continue
+            x = np.zeros((b, t, feat), np.float32)
+            lens = np.where(np.arange(b) % 2 == 0, t, 1).astype(np.int64)
+            self.forward(x, lens)
+            if self.spec.causal:
+                self.forward(x, lens, states_needed=False)
+            _, finals = self.forward_blocks(x[:2], lens[:2])
+            states = self.gather_states([finals, None], [2, b - 2])
+            self.forward_blocks(x, lens, states)
+        self._ctx.stream.synchronize()
 
     def _build_runners(self, runner_cls, prec, force_per_matrix: bool):
         """Create every block's descriptors and weights; returns the precision cuDNN accepted.
@@ -276,18 +310,37 @@ class CudnnEngine(Engine):
             x_d, _, _ = self._inputs(x, None, None)
             views = None
             if states is not None:
-                views = [tuple(None if a is None else conv.to_store(cp.asarray(a).transpose(1, 0, 2)) for a in st)
-                         for st in states]
+                views = [tuple(None if a is None else conv.to_store(self._seq_major(a)) for a in st) for st in states]
             y, _, _, hys, cys = self._run(x_d, b, t, lens, lengths is None, views)
-            finals = [tuple(None if a is None else cp.ascontiguousarray(conv.from_store(a, out_dtype).transpose(1, 0, 2))
-                            for a in st) for st in zip(hys, cys)]
+            finals = [tuple(None if a is None else swap01(cp, conv.from_store(a, out_dtype)) for a in st)
+                      for st in zip(hys, cys)]
             return self._outputs(y, None, None, out_dtype, "host").output, finals
 
     def gather_states(self, parts: Sequence[Sequence[BlockState] | None], counts: Sequence[int]) -> list[BlockState]:
-        """One batch's per-block states as CuPy arrays, gathered on the engine's stream (see the base class)."""
+        """One batch's per-block states as CuPy arrays, gathered on the engine's stream (see the base class).
+
+        Each block's h (and c) comes from one gather kernel over the parts' device pointers
+        (:func:`.copies.gather_rows`), as a batch-first view of the sequence-major buffer that
+        :meth:`forward_blocks` hands to cuDNN without another copy. Parts that are not such
+        device arrays (NumPy, other dtypes) take the generic concatenation.
+        """
         cp = self._cp
         with self._lock, self._ctx.device, self._ctx.stream:
-            return gather_block_states(self.spec, parts, counts, cp)
+            out: list[BlockState] = []
+            for k, blk in enumerate(self.spec.blocks):
+                widths = (blk.output_size, blk.hidden_size if blk.cell == "lstm" else None)
+                pair: list[Any] = []
+                for which, width in enumerate(widths):
+                    got = None
+                    if width is not None:
+                        arrays = [None if part is None else part[k][which] for part in parts]
+                        got = gather_rows(cp, arrays, counts, blk.pseudo_layers, width, np.float32)
+                        if got is None:
+                            return gather_block_states(self.spec, parts, counts, cp)
+                        got = got.transpose(1, 0, 2)
+                    pair.append(got)
+                out.append((pair[0], pair[1]))
+            return out
 
     # -- forward pieces ---------------------------------------------------------------------------
 
@@ -300,6 +353,13 @@ class CudnnEngine(Engine):
         b, t, lens = check_forward_args(self.spec, x, lengths, h0, c0, self._cp if on_device else np)
         out_dtype = np.dtype(np.float16 if self.precision == "float16" and x.dtype == np.float16 else np.float32)
         return x, b, t, lens, out_dtype
+
+    def _seq_major(self, a):
+        """A batch-first state [n, rows, W] as a C-contiguous sequence-major [rows, n, W] device array."""
+        cp = self._cp
+        a = cp.asarray(a)
+        view = a.transpose(1, 0, 2)
+        return view if view.flags.c_contiguous else swap01(cp, a)
 
     def _block_views(self, h0, c0):
         """Per-block (h, c) row views of whole [R, n, Ho] / [Rc, n, H] device states, or None when neither."""
@@ -371,7 +431,7 @@ class CudnnEngine(Engine):
     def _inputs(self, x, h0, c0):
         cp, conv = self._cp, self._conv
         if isinstance(x, cp.ndarray):
-            states = [None if s is None else conv.to_store(cp.asarray(s).transpose(1, 0, 2)) for s in (h0, c0)]
+            states = [None if s is None else conv.to_store(self._seq_major(s)) for s in (h0, c0)]
             return conv.to_store(x), states[0], states[1]
         staged = [(x, conv.staging_dtype(x.dtype))]
         for s in (h0, c0):
@@ -403,7 +463,7 @@ class CudnnEngine(Engine):
         """
         cp, store = self._cp, self._prec.store
         hys, cys = out if out is not None else self._new_states(n)[2:]
-        inp = cp.ascontiguousarray(x.transpose(1, 0, 2)) if seq_major else x
+        inp = swap01(cp, x) if seq_major else x
         lens_ptr = lens_dev.data.ptr
         for k, (runner, algo) in enumerate(zip(self._runners, algos)):
             h_in, c_in = states[k] if states is not None else (None, None)
@@ -456,8 +516,8 @@ class CudnnEngine(Engine):
         hy = None if hy is None else conv.from_store(hy, out_dtype)
         cy = None if cy is None else conv.from_store(cy, out_dtype)
         if output_device == "device":
-            h_n = None if hy is None else cp.ascontiguousarray(hy.transpose(1, 0, 2))
-            c_n = None if cy is None else cp.ascontiguousarray(cy.transpose(1, 0, 2))
+            h_n = None if hy is None else swap01(cp, hy)
+            c_n = None if cy is None else swap01(cp, cy)
             return EngineOutput(y, h_n, c_n)
         from .transfer import download
 
