@@ -17,14 +17,14 @@ def create_engine(model: PackedModel, device: str = "cpu", **options: Any) -> En
 
     "auto" takes cuDNN when a GPU and cuDNN work and the model has no variant cuDNN
     cannot run; otherwise it falls back to the reference engine and logs why. ``options``
-    go to the cuDNN engine; the reference engine takes only ``dtype``.
+    go to the cuDNN engine; the reference engine takes only ``dtype`` and ``native``.
     """
     if device not in DEVICES:
         raise InvalidInput(f"device '{device}' is not known; use one of {', '.join(DEVICES)}")
     if device == "cpu":
         from .reference import ReferenceEngine
 
-        return ReferenceEngine(model, **{k: v for k, v in options.items() if k == "dtype"})
+        return ReferenceEngine(model, **{k: v for k, v in options.items() if k in ("dtype", "native")})
     try:
         from .cudnn import CudnnEngine
     except ImportError as exc:
