@@ -80,8 +80,8 @@ def _kernels(cp: Any) -> dict[str, Any]:
         mod = _modules.get(dev)
         if mod is None:
             raw = cp.RawModule(code=_SOURCE, options=("-std=c++14",))
-            mod = _modules[dev] = {f"{kind}{w}": raw.get_function(f"rnnserve_{kind}_{w}")
-                                   for kind in ("swap01_", "gather_") for w in _WIDTHS}
+            mod = _modules[dev] = {f"{kind}_{w}": raw.get_function(f"rnnserve_{kind}_{w}")
+                                   for kind in ("swap01", "gather") for w in _WIDTHS}
     return mod
 
 
