@@ -62,6 +62,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--time", type=int, default=100)
+    ap.add_argument("--cells", default="lstm,gru", help="comma-separated subset of lstm,gru")
     ap.add_argument("--out", type=Path, default=Path("bench/results/cpu_engine.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -69,7 +70,8 @@ def main() -> int:
     print(f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {args.threads}, "
           f"T={args.time}, float32, best of 3 medians of {args.repeats}")
     print(f"{'cell':<5}{'H':>6}{'L':>3}{'B':>5}{'rnnserve ms':>13}{'torch ms':>10}{'speed vs torch':>16}")
-    for cell, module in (("lstm", torch.nn.LSTM), ("gru", torch.nn.GRU)):
+    cells = [c for c in ("lstm", "gru") if c in args.cells.split(",")]
+    for cell, module in ((c, {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}[c]) for c in cells):
         for hidden in (128, 512):
             for layers in (1, 2):
                 torch.manual_seed(0)
