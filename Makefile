@@ -9,7 +9,7 @@ GRPC_PORT ?= 8001
 
 .PHONY: serve test gpu-test bench-cpu models clean
 
-$(VENV)/.core: pyproject.toml
+$(VENV)/.core: pyproject.toml setup.py service/engines/reference/native/kernels.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e .
