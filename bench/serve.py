@@ -27,6 +27,9 @@ chunks/s and p50/p99 chunk latency for both, twice: closed loop (each stream sen
 next chunk when the answer arrives: the server's saturation) and paced like live
 sources (--chunk-interval-ms, default one chunk per stream every 100 ms, which is real
 time for 10 ms frames). Streams are split over --clients load-generating processes.
+From the server's /metrics, each streams row also shows "server ms" (mean time a chunk
+spent in the engine process, queue included: the rest of p50 is the client, gRPC and
+front-ends), "avg batch" (chunks per engine batch) and "batch ms" (engine time per batch).
 Closed-loop cells send --stream-chunks chunks in all (default 2000 on cuda, 600 on cpu,
 shared over the N streams); paced cells run --paced-seconds.
 
@@ -380,17 +383,38 @@ def run_distributed(cell: dict, clients: int) -> dict:
     return _summary(latencies, sum(e for _, e in results), cell["duration"])
 
 
-def server_batches(http_url: str, model: str) -> tuple[float, float, float]:
-    """(batches, sequences, compute seconds) the server has run for ``model``, from its /metrics."""
+_SERVER_SERIES = ("rnnserve_batch_size_count", "rnnserve_batch_size_sum", "rnnserve_compute_duration_seconds_sum",
+                  "rnnserve_request_duration_seconds_sum", "rnnserve_request_duration_seconds_count")
+
+
+def server_counters(http_url: str, model: str) -> dict[str, float]:
+    """The server's running totals for ``model`` (batches, sequences, compute and request seconds) from /metrics."""
     import urllib.request
 
     text = urllib.request.urlopen(f"http://{http_url}/metrics", timeout=10).read().decode()
     values = {}
-    for name in ("rnnserve_batch_size_count", "rnnserve_batch_size_sum", "rnnserve_compute_duration_seconds_sum"):
-        m = re.search(rf'^{name}{{[^}}]*model="{re.escape(model)}"[^}}]*}} (\S+)$', text, re.M)
-        values[name] = float(m.group(1)) if m else 0.0
-    return (values["rnnserve_batch_size_count"], values["rnnserve_batch_size_sum"],
-            values["rnnserve_compute_duration_seconds_sum"])
+    for name in _SERVER_SERIES:
+        total = 0.0
+        for m in re.finditer(rf'^{name}{{[^}}]*model="{re.escape(model)}"[^}}]*}} (\S+)$', text, re.M):
+            total += float(m.group(1))
+        values[name] = total
+    return values
+
+
+def server_batches(http_url: str, model: str) -> tuple[float, float, float]:
+    """(batches, sequences, compute seconds) the server has run for ``model``, from its /metrics."""
+    v = server_counters(http_url, model)
+    return (v["rnnserve_batch_size_count"], v["rnnserve_batch_size_sum"], v["rnnserve_compute_duration_seconds_sum"])
+
+
+def server_side(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """What the engine process saw between two :func:`server_counters` readings: mean time of a request
+    inside it (validation to answer, queue included), mean batch size and mean engine time per batch."""
+    d = {k: after[k] - before[k] for k in _SERVER_SERIES}
+    batches, requests = d["rnnserve_batch_size_count"], d["rnnserve_request_duration_seconds_count"]
+    return {"server_ms": 1e3 * d["rnnserve_request_duration_seconds_sum"] / requests if requests else None,
+            "avg_batch": d["rnnserve_batch_size_sum"] / batches if batches else None,
+            "batch_ms": 1e3 * d["rnnserve_compute_duration_seconds_sum"] / batches if batches else None}
 
 
 async def bench(args: argparse.Namespace, http_url: str, grpc_url: str | None, models: list[str]) -> list[dict]:
@@ -514,7 +538,7 @@ def run_streams(job: dict, n: int, clients: int) -> dict:
             "p99_ms": float(np.percentile(lat, 99)) if lat.size else None}
 
 
-async def bench_streams(args: argparse.Namespace, grpc_url: str | None) -> list[dict]:
+async def bench_streams(args: argparse.Namespace, http_url: str, grpc_url: str | None) -> list[dict]:
     import tritonclient.grpc.aio as tga
 
     if not grpc_url:
@@ -539,22 +563,28 @@ async def bench_streams(args: argparse.Namespace, grpc_url: str | None) -> list[
             for stateful in (True, False):
                 job["base"] += 100_000
                 cell = {**job, "chunks": chunks, "stateful": stateful, "interval": interval_ms / 1000}
+                before = server_counters(http_url, args.stream_model)
                 row = await asyncio.to_thread(run_streams, cell, n, args.clients)
+                row.update(server_side(before, server_counters(http_url, args.stream_model)))
                 rows.append(row)
                 print(_format_stream_row(row), flush=True)
     return rows
 
 
 def _format_stream_row(r: dict) -> str:
-    p50 = f"{r['p50_ms']:.2f}" if r["p50_ms"] is not None else "-"
-    p99 = f"{r['p99_ms']:.2f}" if r["p99_ms"] is not None else "-"
+    def num(v, fmt):
+        return format(v, fmt) if v is not None else "-"
+
     pace = f"{r['interval_ms']:.0f} ms" if r["interval_ms"] else "closed"
     return (f"| {r['mode']:<9} | {pace:>8} | {r['streams']:>7} | {r['chunks']:>6} | {r['chunks_per_s']:>9.1f} | "
-            f"{p50:>8} | {p99:>8} | {r['errors']:>6} |")
+            f"{num(r['p50_ms'], '.2f'):>8} | {num(r['p99_ms'], '.2f'):>8} | {num(r.get('server_ms'), '.2f'):>9} | "
+            f"{num(r.get('avg_batch'), '.1f'):>9} | {num(r.get('batch_ms'), '.2f'):>8} | {r['errors']:>6} |")
 
 
-STREAM_HEAD = ("| mode      |   sends  | streams | chunks |  chunks/s |  p50 ms  |  p99 ms  | errors |\n"
-               "|-----------|---------:|--------:|-------:|----------:|---------:|---------:|-------:|")
+STREAM_HEAD = ("| mode      |   sends  | streams | chunks |  chunks/s |  p50 ms  |  p99 ms  | server ms | avg batch | batch ms "
+               "| errors |\n"
+               "|-----------|---------:|--------:|-------:|----------:|---------:|---------:|----------:|----------:|---------:"
+               "|-------:|")
 
 
 async def _ready(http_url: str) -> None:
@@ -660,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.chunk_steps}-step chunks over gRPC, stateful (sequence_id) vs stateless (client sends "
                   f"h_0/c_0), {os.cpu_count()} CPUs, device {args.device}")
             print(STREAM_HEAD, flush=True)
-            stream_rows = asyncio.run(bench_streams(args, grpc_url))
+            stream_rows = asyncio.run(bench_streams(args, http_url, grpc_url))
     finally:
         if proc is not None:
             proc.terminate()
