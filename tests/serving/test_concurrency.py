@@ -67,7 +67,10 @@ async def test_concurrent_requests_equal_single_requests(repo):
     assert batches < 10 + 60  # concurrent requests were batched together
 
 
-async def test_overload_gives_503_and_timeout_gives_504(repo):
+async def test_overload_gives_503_and_timeout_gives_504(repo, monkeypatch):
+    # The long request must still be computing when the late one arrives: NumPy's ~20 us
+    # a step gives that with 8000 steps; the compiled LSTM kernel would finish first.
+    monkeypatch.setenv("RNNSERVE_NATIVE_CPU", "0")
     write_config(repo, "lstm", max_batch_size=1, max_queue_size=1, max_queue_delay_us=0)
     x = np.random.default_rng(0).standard_normal((1, 400, 4)).astype(np.float32)
     async with rest_client(repo) as (client, _):
