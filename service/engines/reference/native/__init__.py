@@ -9,8 +9,10 @@ recurrent product [64, 512] x [512, 2048] it reaches ~120 GFLOP/s where oneDNN's
 fused LSTM sustains ~300. ``kernels.c`` runs the whole time loop of one (layer,
 direction) in C with the GIL released: a register-blocked AVX-512 GEMM on
 pre-packed weights whose epilogue applies the gates, and one helper thread per
-extra core that owns its own hidden units (one barrier a step). See README.md,
-"CPU: reference engine", for the measured result.
+extra core that owns its own hidden units (one barrier a step). Measured in one run
+on that machine, 1 layer, T=100, NumPy path -> kernel: H=128: B=1 1.32 -> 0.42 ms,
+B=16 7.85 -> 3.49 ms, B=64 21.5 -> 8.2 ms; H=512: B=1 10.0 -> 5.8 ms, B=16 69.5 ->
+32.9 ms, B=64 163 -> 118 ms. README.md, "CPU: reference engine", compares it with torch.
 
 The NumPy path stays the exact reference and the fallback: it runs float64, every
 variant (peepholes, clip, other activations, coupled gates), GRU and RNN cells, and
