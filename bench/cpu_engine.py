@@ -34,6 +34,12 @@ def packed_from_torch(mod, cell: str) -> PackedModel:
     return PackedModel(RNNSpec((spec,)), [pack_block(spec, layers)])
 
 
+# Pause between the two sides' blocks: PyTorch's OpenMP workers keep spinning for a while after
+# a call, and rnnserve's two kernel threads meet at a barrier every step, so a block started
+# while they still spin on both cores measured up to 3x slow on this 2-core machine (0.05 s was too short).
+PAUSE_S = 0.3
+
+
 def timeit_pair(ours, theirs, repeats: int, rounds: int = 3) -> tuple[float, float]:
     """Best-of-``rounds`` median ms of each side.
 
@@ -51,7 +57,7 @@ def timeit_pair(ours, theirs, repeats: int, rounds: int = 3) -> tuple[float, flo
                 fn()
                 samples.append(time.perf_counter() - start)
             best[k] = min(best[k], statistics.median(samples) * 1e3)
-            time.sleep(0.05)
+            time.sleep(PAUSE_S)
     return best[0], best[1]
 
 

@@ -34,9 +34,14 @@ except ImportError:  # built without a C compiler: the NumPy path serves
 ENV_SWITCH = "RNNSERVE_NATIVE_CPU"
 _UNITS = 16   # hidden units per weight panel; a panel row is 4 gates x 16 floats
 _PANEL = 64
-# Below this many multiply-adds a step, a second thread's start-up and per-step
-# barrier cost more than it saves (measured: B=1, H=128 is faster on one thread).
-_THREAD_MIN_MACS = 1 << 17
+# A second thread pays when a step has this many multiply-adds, or when the recurrent
+# weights are this large (a step is then bound by reading them, and two cores' caches
+# hold more). Below both, its start-up and per-step barrier cost more than it saves, and
+# the barrier stalls whenever another thread takes a core (this 2-core VM, 2026-11-22:
+# B=16 H=128 ran 0.44x-1.0x PyTorch on two threads from run to run, 0.82x-0.96x on one;
+# B=1 H=512 ran 1.1x-1.5x on two threads, 0.48x on one).
+_THREAD_MIN_MACS = 1 << 21
+_THREAD_MIN_WEIGHT_BYTES = 1 << 20
 
 
 def built() -> bool:
@@ -116,7 +121,8 @@ class NativeLSTM:
         t, b, _ = seq.shape
         out = np.zeros((t, b, self.output_size), np.float32)
         macs = b * self.output_size * 4 * self.hidden_size
-        threads = _cpu_count() if macs >= _THREAD_MIN_MACS else 1
+        weight_bytes = 4 * self.hidden_size * self.output_size * 4
+        threads = _cpu_count() if macs >= _THREAD_MIN_MACS or weight_bytes >= _THREAD_MIN_WEIGHT_BYTES else 1
         _kernels.lstm(t, b, self.input_size, self.hidden_size, self.output_size,
                       np.ascontiguousarray(seq, dtype=np.float32), self.wx, self.bx, self.wh, self.proj,
                       np.ascontiguousarray(active, dtype=np.int64), hs, cs, out, threads)
