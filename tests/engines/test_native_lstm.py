@@ -9,37 +9,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from torch_models import packed_from_torch, torch_module  # noqa: E402
+
 from service import create_engine  # noqa: E402
 from service.engines.reference import native  # noqa: E402
 from service.loaders.verify import ATOL, RTOL  # noqa: E402
-from service.packing import LayerWeights, pack_block  # noqa: E402
-from service.repository import PackedModel  # noqa: E402
-from service.spec import BlockSpec, RNNSpec  # noqa: E402
 
 torch.set_num_threads(1)
 USABLE, WHY = native.status()
 needs_kernel = pytest.mark.skipif(not USABLE, reason=f"native LSTM kernel not usable here: {WHY}")
-MODULES = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU, "rnn_tanh": torch.nn.RNN}
-
-
-def torch_module(cell, i, h, layers, bidir, proj=0, seed=0):
-    torch.manual_seed(seed)
-    kw = {"proj_size": proj} if proj else {}
-    return MODULES[cell](i, h, num_layers=layers, bidirectional=bidir, batch_first=True, **kw)
-
-
-def packed_from_torch(mod, cell) -> PackedModel:
-    sd = {k: v.detach().double().numpy() for k, v in mod.state_dict().items()}
-    d = 2 if mod.bidirectional else 1
-    spec = BlockSpec(cell, mod.input_size, mod.hidden_size, mod.num_layers, mod.bidirectional,
-                     getattr(mod, "proj_size", 0))
-    layers = []
-    for layer in range(mod.num_layers):
-        for direction in range(d):
-            s = f"_l{layer}" + ("_reverse" if direction else "")
-            layers.append(LayerWeights(sd["weight_ih" + s], sd["weight_hh" + s], sd["bias_ih" + s], sd["bias_hh" + s],
-                                       sd.get("weight_hr" + s)))
-    return PackedModel(RNNSpec((spec,)), [pack_block(spec, layers, np.float64)])
 
 
 def run_torch(mod, cell, x, lengths, h0, c0):
