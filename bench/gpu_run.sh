@@ -4,7 +4,8 @@
 # wheels it lacks travel in .gpu-wheels (FastAPI, uvicorn, pydantic, tritonclient, grpcio...).
 #   usage (device tool, carry .gpu-wheels):  bash bench/gpu_run.sh [tests|serve|engine|profile|all]
 # profile: py-spy samples (per thread) of the engine process of `rnnserve serve --frontends 6` under
-# binary-HTTP and gRPC load at concurrency 64 and under 256 paced streams (py-spy wheel in .gpu-wheels).
+# binary-HTTP and gRPC load at concurrency 64 and under 256 paced streams (py-spy wheel in .gpu-wheels): all
+# threads, then only the thread holding the GIL (--gil). PROTOS picks the loads (default: all three).
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-bench/results}
@@ -37,18 +38,20 @@ for _ in range(240):
     try:
         if urllib.request.urlopen('http://127.0.0.1:18000/v2/health/ready', timeout=2).status == 200: break
     except Exception: time.sleep(0.5)"
-  for proto in http-binary grpc streams; do
+  for proto in ${PROTOS:-http-binary grpc streams}; do
     if [ $proto = streams ]; then
       python3 bench/serve.py --url 127.0.0.1:18000 --grpc-url 127.0.0.1:18001 --scenario streams --device cuda \
-        --streams 256 --chunk-interval-ms 100 --paced-seconds 9 --clients ${CLIENTS:-6} 2>&1 | tee -a "$OUT/profile_load.log" &
+        --streams 256 --chunk-interval-ms 100 --paced-seconds 10 --clients ${CLIENTS:-6} 2>&1 | tee -a "$OUT/profile_load.log" &
     else
       python3 bench/serve.py --url 127.0.0.1:18000 --grpc-url 127.0.0.1:18001 --no-compare --protocols $proto \
         --concurrency 64 --duration 8 --warmup 1 --clients ${CLIENTS:-4} --scenario requests 2>&1 | tee -a "$OUT/profile_load.log" &
     fi
     lpid=$!
-    sleep 4
+    sleep 3
     { echo "== $proto"; top -b -n 1 -w 200 | head -30; } >> "$OUT/top.log"
-    $spy record -p $spid -d 4 -r 500 -t -f raw -o "$OUT/engine_$proto.txt" --nonblocking >> "$OUT/profile_load.log" 2>&1
+    $spy record -p $spid -d 3 -r 500 -t -f raw -o "$OUT/engine_$proto.txt" --nonblocking >> "$OUT/profile_load.log" 2>&1
+    # --gil: only the thread holding the GIL, i.e. where the engine process's one Python core goes
+    $spy record -p $spid -d 3 -r 500 -t --gil -f raw -o "$OUT/engine_gil_$proto.txt" --nonblocking >> "$OUT/profile_load.log" 2>&1
     wait $lpid
   done
   kill -TERM $spid; wait $spid

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..engines.base import BlockState, split_block_states, stack_block_states
 from ..spec import RNNSpec
+from .rowcopy import copy_sequences
 
 OUTPUT_NAMES = ("output", "output_last", "h_n", "c_n")
 
@@ -91,8 +92,7 @@ def merge(parts: list[SequenceWork]) -> MergedBatch:
     c0 = _stack_states([p.c0 for p in parts], [p.sequences for p in parts])
     row = 0
     for p in parts:
-        t = min(p.x.shape[1], t_max)
-        x[row:row + p.sequences, :t] = p.x[:, :t]
+        copy_sequences(x, row, p.x, min(p.x.shape[1], t_max))
         lengths[row:row + p.sequences] = p.lengths
         row += p.sequences
     return MergedBatch(x, lengths, h0, c0)

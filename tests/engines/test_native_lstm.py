@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch_models import packed_from_torch, torch_module  # noqa: E402
+from torch_models import assert_close, packed_from_torch, run_torch, torch_module  # noqa: E402
 
 from service import create_engine  # noqa: E402
 from service.engines.reference import native  # noqa: E402
@@ -18,30 +18,6 @@ from service.loaders.verify import ATOL, RTOL  # noqa: E402
 torch.set_num_threads(1)
 USABLE, WHY = native.status()
 needs_kernel = pytest.mark.skipif(not USABLE, reason=f"native LSTM kernel not usable here: {WHY}")
-
-
-def run_torch(mod, cell, x, lengths, h0, c0):
-    """float64 torch on a packed sequence: the exact answer the float32 kernel is held to."""
-    mod = mod.double()
-    packed = torch.nn.utils.rnn.pack_padded_sequence(torch.from_numpy(x.astype(np.float64)), torch.as_tensor(lengths),
-                                                     batch_first=True, enforce_sorted=False)
-    state = None
-    if h0 is not None:
-        h = torch.from_numpy(h0.astype(np.float64)).transpose(0, 1).contiguous()
-        state = (h, torch.from_numpy(c0.astype(np.float64)).transpose(0, 1).contiguous()) if cell == "lstm" else h
-    with torch.no_grad():
-        y, hn = mod(packed, state)
-    y, _ = torch.nn.utils.rnn.pad_packed_sequence(y, batch_first=True, total_length=x.shape[1])
-    if cell == "lstm":
-        return y.numpy(), hn[0].transpose(0, 1).numpy(), hn[1].transpose(0, 1).numpy()
-    return y.numpy(), hn.transpose(0, 1).numpy(), None
-
-
-def assert_close(out, y, hn, cn):
-    np.testing.assert_allclose(out.output, y, rtol=RTOL, atol=ATOL)
-    np.testing.assert_allclose(out.h_n, hn, rtol=RTOL, atol=ATOL)
-    if cn is not None:
-        np.testing.assert_allclose(out.c_n, cn, rtol=RTOL, atol=ATOL)
 
 
 # (input, hidden, proj, batch, lengths): odd sizes, a hidden size past one 16-unit block,
@@ -96,11 +72,11 @@ def test_kernel_at_benchmark_sizes(hidden, batch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("cell", ["gru", "rnn_tanh"])
+@pytest.mark.parametrize("cell", ["rnn_tanh", "rnn_relu"])
 def test_other_cells_stay_on_numpy_and_match_torch(cell):
     mod = torch_module(cell, 7, 13, 2, True)
     engine = create_engine(packed_from_torch(mod, cell), "cpu")
-    assert engine.describe()["cpu_kernel"] == "numpy (no plain float32 LSTM block)"
+    assert engine.describe()["cpu_kernel"] == "numpy (no plain float32 LSTM or GRU block)"
     x = np.random.default_rng(4).standard_normal((3, 6, 7)).astype(np.float32)
     lengths = np.array([6, 1, 4])
     assert_close(engine.forward(x, lengths), *run_torch(mod, cell, x, lengths, None, None))

@@ -14,7 +14,7 @@ import numpy as np
 from ...packing import LayerWeights
 from ...spec import BlockSpec
 from .activations import InPlace, make_activation
-from .native import NativeLSTM
+from .native import NativeGRU, NativeLSTM
 
 # internal row order of the canonical gates
 _LSTM_ORDER = (0, 1, 3, 2)  # i, f, o, g
@@ -31,18 +31,22 @@ class DirectionParams:
     wt: np.ndarray                   # [in, G*H]
     bias_x: np.ndarray               # [G*H], folded into the input projection
     step: Callable[[np.ndarray, np.ndarray, np.ndarray | None], None]
-    native: NativeLSTM | None = None  # runs every step in C instead of wt/bias_x/step
+    native: NativeLSTM | NativeGRU | None = None  # runs every step in C instead of wt/bias_x/step
 
 
 def prepare(spec: BlockSpec, lw: LayerWeights, extras: dict[str, np.ndarray], p: int, dtype,
             native: bool = False) -> DirectionParams:
     """Build the stepping function for pseudo-layer ``p`` of a block.
 
-    ``native``: also pack a plain (cuDNN-expressible) float32 LSTM for the C kernel.
+    ``native``: also pack a plain (cuDNN-expressible) float32 LSTM or GRU for the C kernels;
+    variants (reset-before GRU, other activations, clip, ...) keep to the NumPy step.
     """
     prm = _prepare(spec, lw, extras, p, dtype)
-    if native and spec.cell == "lstm" and spec.is_cudnn and np.dtype(dtype) == np.float32:
-        prm.native = NativeLSTM.pack(lw.w, lw.r, lw.bw + lw.br, lw.proj)
+    if native and spec.is_cudnn and np.dtype(dtype) == np.float32:
+        if spec.cell == "lstm":
+            prm.native = NativeLSTM.pack(lw.w, lw.r, lw.bw + lw.br, lw.proj)
+        elif spec.cell == "gru":
+            prm.native = NativeGRU.pack(lw.w, lw.r, lw.bw, lw.br)
     return prm
 
 

@@ -64,10 +64,14 @@ class ReferenceEngine(Engine):
                                  for p, lw in enumerate(layers)])
 
     def describe(self) -> dict[str, Any]:
-        uses = any(prm.native is not None for params in self._params for prm in params)
-        kernel = "native LSTM (AVX-512)" if uses else "numpy"
-        if not uses:
-            kernel += f" ({self._native_why if not self._native else 'no plain float32 LSTM block'})"
+        """Engine facts; ``cpu_kernel`` names the cells that run on the C kernels, or why none does."""
+        cells = [cell for cell in ("lstm", "gru")
+                 if any(blk.cell == cell and any(prm.native is not None for prm in params)
+                        for blk, params in zip(self.spec.blocks, self._params))]
+        if cells:
+            kernel = f"native {' + '.join(c.upper() for c in cells)} (AVX-512)"
+        else:
+            kernel = f"numpy ({self._native_why if not self._native else 'no plain float32 LSTM or GRU block'})"
         return {"engine": self.name, "dtype": str(self.dtype), "device": "cpu", "cpu_kernel": kernel}
 
     def forward(self, x: Any, lengths: Any = None, h0: Any = None, c0: Any = None) -> EngineOutput:

@@ -22,7 +22,8 @@ lacks AVX-512, or ``RNNSERVE_NATIVE_CPU=0`` is set.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
@@ -36,11 +37,14 @@ _UNITS = 16   # hidden units per weight panel; a panel row is 4 gates x 16 float
 _PANEL = 64
 # A second thread pays when a step has this many multiply-adds, or when the recurrent
 # weights are this large (a step is then bound by reading them, and two cores' caches
-# hold more). Below both, its start-up and per-step barrier cost more than it saves, and
-# the barrier stalls whenever another thread takes a core (this 2-core VM, 2026-11-22:
-# B=16 H=128 ran 0.44x-1.0x PyTorch on two threads from run to run, 0.82x-0.96x on one;
-# B=1 H=512 ran 1.1x-1.5x on two threads, 0.48x on one).
-_THREAD_MIN_MACS = 1 << 21
+# hold more). Below both, its start-up and per-step barrier cost more than it saves.
+# Both cells use the same rule. The MAC bound was 2^21 while the helper thread could start
+# on the caller's CPU (kernels.c, helper_attr), which made two threads swing from run to run
+# (B=16 H=128 LSTM: 0.44x-1.0x PyTorch); with the helper kept off that CPU, two threads
+# beat one at B=16 H=128 in every block of the CPU bench's pattern (this 2-core VM,
+# 2026-11-22, best medians: LSTM 2.3-2.7 vs 2.9 ms, 2 layers 4.5-5.0 vs 5.6-5.9 ms, GRU
+# 1.9-2.1 vs 2.2-2.4 ms). B=1 H=512 ran 1.1x-1.5x PyTorch on two threads, 0.48x on one.
+_THREAD_MIN_MACS = 1 << 19
 _THREAD_MIN_WEIGHT_BYTES = 1 << 20
 
 
@@ -77,13 +81,13 @@ def _aligned(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def _gate_panels(m: np.ndarray, h: int) -> np.ndarray:
-    """[4H, K] cuDNN-ordered gate rows -> [H/16, K, 64] panels (16 units x i, f, g, o)."""
+def _gate_panels(m: np.ndarray, h: int, gates: int) -> np.ndarray:
+    """[G*H, K] cuDNN-ordered gate rows -> [H/16, K, 16*G] panels (16 units x the G gates)."""
     k = m.shape[1]
     nb = -(-h // _UNITS)
-    padded = np.zeros((4, nb * _UNITS, k))
-    padded[:, :h] = m.reshape(4, h, k)
-    return _aligned(padded.reshape(4, nb, _UNITS, k).transpose(1, 3, 0, 2).reshape(nb, k, _PANEL))
+    padded = np.zeros((gates, nb * _UNITS, k))
+    padded[:, :h] = m.reshape(gates, h, k)
+    return _aligned(padded.reshape(gates, nb, _UNITS, k).transpose(1, 3, 0, 2).reshape(nb, k, gates * _UNITS))
 
 
 def _column_panels(mt: np.ndarray) -> np.ndarray:
@@ -96,34 +100,79 @@ def _column_panels(mt: np.ndarray) -> np.ndarray:
 
 
 @dataclass
-class NativeLSTM:
-    """One (layer, direction) of a cuDNN-expressible LSTM, packed for the kernel."""
+class _Packed:
+    """What both cells' kernels share: sizes and the panel-packed input and recurrent weights."""
 
+    gates: ClassVar[int]
     input_size: int
     hidden_size: int
     output_size: int
     wx: np.ndarray
     bx: np.ndarray
     wh: np.ndarray
-    proj: np.ndarray | None
+
+    def _call_arrays(self, seq: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """(float32 input, int64 ``active``, zeroed output [T, B, Ho], thread count) for one call."""
+        t, b, _ = seq.shape
+        out = np.zeros((t, b, self.output_size), np.float32)
+        macs = b * self.output_size * self.gates * self.hidden_size
+        weight_bytes = 4 * self.gates * self.hidden_size * self.output_size
+        threads = _cpu_count() if macs >= _THREAD_MIN_MACS or weight_bytes >= _THREAD_MIN_WEIGHT_BYTES else 1
+        return (np.ascontiguousarray(seq, dtype=np.float32), np.ascontiguousarray(active, dtype=np.int64), out,
+                threads)
+
+
+@dataclass
+class NativeLSTM(_Packed):
+    """One (layer, direction) of a cuDNN-expressible LSTM, packed for the kernel."""
+
+    gates: ClassVar[int] = 4
+    proj: np.ndarray | None = None
 
     @classmethod
     def pack(cls, w: np.ndarray, r: np.ndarray, bias: np.ndarray, proj: np.ndarray | None) -> "NativeLSTM":
         """Canonical weights: w [4H, in], r [4H, Ho], bias [4H] (bW + bR), proj [Ho, H] or None."""
         h = r.shape[0] // 4
-        return cls(w.shape[1], h, r.shape[1], _gate_panels(w, h), _gate_panels(bias[:, None], h)[:, 0],
-                   _gate_panels(r, h), None if proj is None else _column_panels(proj.T))
+        return cls(w.shape[1], h, r.shape[1], _gate_panels(w, h, 4), _gate_panels(bias[:, None], h, 4)[:, 0],
+                   _gate_panels(r, h, 4), None if proj is None else _column_panels(proj.T))
 
-    def run(self, seq: np.ndarray, active: np.ndarray, hs: np.ndarray, cs: np.ndarray) -> np.ndarray:
+    def run(self, seq: np.ndarray, active: np.ndarray, hs: np.ndarray, cs: np.ndarray | None) -> np.ndarray:
         """Run all steps of time-major ``seq`` [T, B, in] (batch sorted by length, ``active[t]``
         rows live at step t); ``hs`` [B, Ho] and ``cs`` [B, H] hold the initial state and
         receive the final one. Returns [T, B, Ho], zero past each sequence's end."""
-        t, b, _ = seq.shape
-        out = np.zeros((t, b, self.output_size), np.float32)
-        macs = b * self.output_size * 4 * self.hidden_size
-        weight_bytes = 4 * self.hidden_size * self.output_size * 4
-        threads = _cpu_count() if macs >= _THREAD_MIN_MACS or weight_bytes >= _THREAD_MIN_WEIGHT_BYTES else 1
-        _kernels.lstm(t, b, self.input_size, self.hidden_size, self.output_size,
-                      np.ascontiguousarray(seq, dtype=np.float32), self.wx, self.bx, self.wh, self.proj,
-                      np.ascontiguousarray(active, dtype=np.int64), hs, cs, out, threads)
+        x, act, out, threads = self._call_arrays(seq, active)
+        _kernels.lstm(x.shape[0], x.shape[1], self.input_size, self.hidden_size, self.output_size,
+                      x, self.wx, self.bx, self.wh, self.proj, act, hs, cs, out, threads)
+        return out
+
+
+@dataclass
+class NativeGRU(_Packed):
+    """One (layer, direction) of a cuDNN-expressible (reset-after) GRU, packed for the kernel."""
+
+    gates: ClassVar[int] = 3
+    bh: np.ndarray = field(kw_only=True)
+
+    @classmethod
+    def pack(cls, w: np.ndarray, r: np.ndarray, bw: np.ndarray, br: np.ndarray) -> "NativeGRU":
+        """Canonical weights: w [3H, in], r [3H, H], bw and br [3H], gates r, z, n.
+
+        bR_n sits inside the reset gate's product, so it starts the recurrent GEMM (``bh``);
+        every other bias folds into the input projection (``bx``), as in the NumPy path."""
+        h = r.shape[0] // 3
+        bx = bw.copy()
+        bx[:2 * h] += br[:2 * h]
+        bh = np.zeros(3 * h)
+        bh[2 * h:] = br[2 * h:]
+        return cls(w.shape[1], h, h, _gate_panels(w, h, 3), _gate_panels(bx[:, None], h, 3)[:, 0],
+                   _gate_panels(r, h, 3), bh=_gate_panels(bh[:, None], h, 3)[:, 0])
+
+    def run(self, seq: np.ndarray, active: np.ndarray, hs: np.ndarray, cs: np.ndarray | None = None) -> np.ndarray:
+        """Run all steps of time-major ``seq`` [T, B, in] (batch sorted by length, ``active[t]``
+        rows live at step t); ``hs`` [B, H] holds the initial state and receives the final one
+        (``cs`` is there for the LSTM's signature and must be None). Returns [T, B, H], zero
+        past each sequence's end."""
+        x, act, out, threads = self._call_arrays(seq, active)
+        _kernels.gru(x.shape[0], x.shape[1], self.input_size, self.hidden_size,
+                     x, self.wx, self.bx, self.wh, self.bh, act, hs, out, threads)
         return out

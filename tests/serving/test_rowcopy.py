@@ -1,0 +1,37 @@
+"""copy_sequences: the GIL-holding row copy of the scheduler's merge equals NumPy's assignment."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from service.scheduler.rowcopy import copy_sequences
+
+
+@pytest.mark.parametrize("b, ts, t, steps, row", [
+    (1, 7, 7, 7, 0),      # whole rows on both sides: one copy
+    (3, 7, 7, 7, 2),
+    (3, 5, 9, 5, 1),      # shorter request in a longer batch
+    (2, 9, 6, 6, 4),      # client padding past the batch's longest valid length
+    (4, 9, 9, 3, 0),
+    (1, 1, 1, 1, 5),
+])
+def test_copy_sequences_matches_numpy(b: int, ts: int, t: int, steps: int, row: int) -> None:
+    rng = np.random.default_rng(b * 100 + ts)
+    src = rng.standard_normal((b, ts, 5)).astype(np.float32)
+    dst = rng.standard_normal((row + b + 2, t, 5)).astype(np.float32)
+    want = dst.copy()
+    want[row:row + b, :steps] = src[:, :steps]
+    copy_sequences(dst, row, src, steps)
+    np.testing.assert_array_equal(dst, want)
+
+
+@pytest.mark.parametrize("src", [
+    np.arange(2 * 6 * 3, dtype=np.float64).reshape(2, 6, 3),                       # other dtype
+    np.arange(2 * 6 * 6, dtype=np.float32).reshape(2, 6, 6)[:, :, ::2],             # not contiguous
+])
+def test_copy_sequences_falls_back_to_numpy(src: np.ndarray) -> None:
+    dst = np.zeros((3, 6, 3), np.float32)
+    want = dst.copy()
+    want[1:3, :4] = src[:, :4]
+    copy_sequences(dst, 1, src, 4)
+    np.testing.assert_array_equal(dst, want)
