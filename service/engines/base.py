@@ -13,6 +13,11 @@ uses that freedom on causal models to run a ragged batch padded to equal lengths
 (one persistent-kernel launch instead of a launch per step; outputs past each length
 are zeroed, and outputs up to it do not depend on what follows).
 
+An engine whose class sets ``computes_last`` also takes ``forward(..., last_only=True)``:
+the caller reads only the many-to-one output (each direction's output at its own final
+step, as :func:`service.scheduler.batching.output_last` defines it), which then comes
+back as ``last`` [B, D*Ho] with ``output`` None.
+
 forward_blocks(x, lengths, states) -> (output, states) is the same computation with
 each block's state kept separately, ``states[k] = (h [B, L_k*D_k, Ho_k], c [B, L_k*D_k, H_k] | None)``,
 so it works for every model, including those with no single state tensor. Stateful
@@ -113,6 +118,7 @@ class EngineOutput:
     output: Any
     h_n: Any
     c_n: Any = None
+    last: Any = None  # many-to-one outputs [B, D*Ho], from engines that compute them (``computes_last``)
 
 
 class Engine(ABC):

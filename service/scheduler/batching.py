@@ -13,6 +13,7 @@ up to float32 rounding of differently sized GEMMs (~1e-7 relative).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -47,12 +48,14 @@ class SequenceWork:
     states: list[BlockState] | None = None
     states_out: list[BlockState] | None = None
 
-    @property
+    # Cached: the scheduler reads both for every waiting request on every batch it forms, and a
+    # NumPy max costs microseconds (x and lengths do not change once the request is validated).
+    @cached_property
     def sequences(self) -> int:
         """B: sequences in this request."""
         return int(self.x.shape[0])
 
-    @property
+    @cached_property
     def steps(self) -> int:
         """Longest valid length of this request (what it costs the engine in time steps)."""
         return int(self.lengths.max())
@@ -125,15 +128,23 @@ def output_last(spec: RNNSpec, output: np.ndarray, lengths: np.ndarray) -> np.nd
     return np.ascontiguousarray(result)
 
 
-def split(spec: RNNSpec, batch: MergedBatch, output: np.ndarray, h_n: Any, c_n: Any,
-          parts: list[SequenceWork]) -> list[dict[str, np.ndarray]]:
-    """Cut engine results back into one dict of requested outputs per part (float32)."""
-    output = np.asarray(output, dtype=np.float32)
+def split(spec: RNNSpec, batch: MergedBatch, output: np.ndarray | None, h_n: Any, c_n: Any,
+          parts: list[SequenceWork], last: np.ndarray | None = None) -> list[dict[str, np.ndarray]]:
+    """Cut engine results back into one dict of requested outputs per part (float32).
+
+    ``last``: the many-to-one outputs when the engine computed them (then ``output`` may be
+    None, as long as no part asks for "output").
+    """
     want_last = any("output_last" in p.outputs for p in parts)
-    last = output_last(spec, output, batch.lengths) if want_last else None
+    if last is not None:
+        last = np.asarray(last, dtype=np.float32)
+    elif want_last:
+        last = output_last(spec, np.asarray(output, dtype=np.float32), batch.lengths)
+    if output is not None:
+        output = np.asarray(output, dtype=np.float32)
     results: list[dict[str, np.ndarray]] = []
     row = 0
-    t_batch = output.shape[1]
+    t_batch = 0 if output is None else output.shape[1]
     for p in parts:
         rows = slice(row, row + p.sequences)
         row += p.sequences
@@ -162,11 +173,14 @@ def run_batch(engine: Any, parts: list[SequenceWork]) -> tuple[MergedBatch, list
     batch = merge(parts)
     if any(p.stream for p in parts):
         return batch, _run_with_block_states(engine, batch, parts)
+    options = {}
     if getattr(engine, "skips_states", False) and not any({"h_n", "c_n"} & p.outputs for p in parts):
-        out = engine.forward(batch.x, batch.lengths, batch.h0, batch.c0, states_needed=False)
-    else:
-        out = engine.forward(batch.x, batch.lengths, batch.h0, batch.c0)
-    return batch, split(engine.spec, batch, _host(out.output), _host(out.h_n), _host(out.c_n), parts)
+        options["states_needed"] = False
+    if getattr(engine, "computes_last", False) and not any("output" in p.outputs for p in parts):
+        options["last_only"] = True
+    out = engine.forward(batch.x, batch.lengths, batch.h0, batch.c0, **options)
+    return batch, split(engine.spec, batch, _host(out.output), _host(out.h_n), _host(out.c_n), parts,
+                        _host(out.last))
 
 
 def _run_with_block_states(engine: Any, batch: MergedBatch, parts: list[SequenceWork]) -> list[dict[str, np.ndarray]]:

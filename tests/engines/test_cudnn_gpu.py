@@ -697,3 +697,34 @@ def test_bidirectional_is_never_padded():
     finally:
         eng.close()
     check_all(out, reference_run(model, x, lengths))
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["batch_major", "seq_major"])
+@pytest.mark.parametrize("cell,bidirectional,precision", [
+    ("lstm", False, "float32"), ("gru", True, "float32"), ("lstm", True, "float16"), ("gru", False, "bfloat16"),
+])
+def test_last_only_equals_the_host_gather(cell, bidirectional, precision, layout):
+    """forward(last_only=True) picks, on the GPU, exactly the rows output_last takes from the full output."""
+    from service.scheduler.batching import output_last
+
+    mod = make_torch(cell, 10, 24, 2, bidirectional, seed=7)
+    model = model_from_torch(mod, precision=precision, max_batch_size=64)
+    x = rand((33, 12, 10), seed=8)
+    ragged = np.random.default_rng(9).integers(1, 13, size=33)
+    ragged[0], ragged[1] = 1, 12
+    eng = CudnnEngine(model, autotune=False, layout=layout)
+    try:
+        for lengths in (ragged, None, ragged[:1]):
+            xs = x[:len(lengths)] if lengths is not None else x
+            for states_needed in (True, False):
+                full = eng.forward(xs, lengths, states_needed=states_needed)
+                last = eng.forward(xs, lengths, states_needed=states_needed, last_only=True)
+                assert last.output is None
+                lens = lengths if lengths is not None else np.full(len(xs), xs.shape[1])
+                want = output_last(model.spec, np.asarray(full.output, np.float32), lens)
+                np.testing.assert_array_equal(np.asarray(last.last, np.float32), want)
+                if states_needed:
+                    np.testing.assert_array_equal(last.h_n, full.h_n)
+    finally:
+        eng.close()

@@ -212,6 +212,45 @@ async def test_final_states_are_asked_for_only_when_a_request_wants_them():
     await sched.stop()
 
 
+class LastOnlyEngine(GatedEngine):
+    """An engine that computes many-to-one outputs itself (``computes_last``), as the cuDNN engine does on the GPU."""
+
+    computes_last = True
+
+    def __init__(self, blocks=LSTM) -> None:
+        super().__init__(blocks)
+        self.asked: list[bool] = []
+
+    def forward(self, x, lengths=None, h0=None, c0=None, last_only=False):
+        self.asked.append(last_only)
+        out = self.inner.forward(x, lengths, h0, c0)
+        if last_only:
+            lens = lengths if lengths is not None else np.full(x.shape[0], x.shape[1])
+            out.last = output_last(self.spec, out.output, lens) + 0.0
+            out.output = None
+        return out
+
+
+@pytest.mark.parametrize("blocks", [LSTM, GRU_BI])
+async def test_many_to_one_batches_ask_the_engine_for_last_steps_only(blocks):
+    engine = LastOnlyEngine(blocks)
+    sched = await _scheduler(engine, max_queue_delay_us=20_000)
+    parts = [SequenceWork(_work(t, seed=t).x, np.array([n]), outputs=frozenset({"output_last", "h_n"}))
+             for t, n in ((5, 3), (7, 7), (2, 1))]
+    got = await asyncio.gather(*(sched.submit(p) for p in parts))
+    assert engine.asked == [True]
+    for p, res in zip(parts, got):
+        want = engine.inner.forward(p.x, p.lengths)
+        assert set(res) == {"output_last", "h_n"}
+        np.testing.assert_allclose(res["output_last"], output_last(engine.spec, want.output, p.lengths)[0:1],
+                                   rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(res["h_n"], want.h_n, rtol=1e-6, atol=1e-7)
+    full = SequenceWork(_work(4).x, np.array([4]), outputs=frozenset({"output", "output_last"}))
+    res = await sched.submit(full)
+    assert engine.asked == [True, False] and res["output"].shape == (1, 4, engine.spec.output_size)
+    await sched.stop()
+
+
 class PipelinedEngine(GatedEngine):
     concurrent_batches = 2
 

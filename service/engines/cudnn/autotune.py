@@ -199,6 +199,9 @@ def plan(table: AlgoTable, batch: int, steps: int, lengths: np.ndarray, pad_ok: 
         padded_cost = sum(table.step_ms(k, a, batch) for k, a in enumerate(algos)) * steps
         options.append((padded_cost, [Group(None, batch, steps, algos, True, table.seq_major_for(batch))]))
     values, inverse = np.unique(lengths, return_inverse=True)
+    if values.size > MAX_GROUPS and table.forced is None:
+        # At least one group per distinct length: too many groups, whatever their sizes.
+        return min(options, key=lambda o: o[0])[1]
     groups: list[Group] = []
     cost = 0.0
     for i, length in enumerate(values):

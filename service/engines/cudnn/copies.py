@@ -7,6 +7,9 @@ bandwidth of PyTorch's copy kernel (H200: 130 µs vs 72 µs for a [256, 100, 102
 array), which left the engine 3-6 % behind PyTorch where both run the same cuDNN kernel.
 :func:`swap01` copies whole rows with the widest vector the alignment allows.
 
+A many-to-one request wants only each sequence's last output: :func:`last_steps` picks
+it on the device (one launch), so a batch downloads [B, F] instead of [B, T, F].
+
 Stateful streams keep each stream's state as its own small array; a batch of N chunks
 needs them side by side. ``cp.concatenate`` of N arrays costs Python work per array;
 :func:`gather_rows` copies from N device pointers in one kernel, straight into the
@@ -53,6 +56,26 @@ __device__ __forceinline__ void gather(const unsigned long long* __restrict__ pt
     }
 }
 
+template<typename T>
+__device__ __forceinline__ void last_steps(const T* __restrict__ y, const int* __restrict__ lens, T* __restrict__ out,
+                                           long long n, long long f, long long fwd, long long step_stride,
+                                           long long row_stride) {
+    // out [n, f]: columns below fwd from each sequence's last step (lens[s] - 1), the rest from step 0;
+    // y is [n, t, f] or a transposed [t, n, f] buffer, read through its element strides
+    const long long total = n * f;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long col = i % f, s = i / f;
+        const long long step = col < fwd ? (long long)lens[s] - 1 : 0;
+        out[i] = y[step * step_stride + s * row_stride + col];
+    }
+}
+
+extern "C" __global__ void rnnserve_last_4(const unsigned int* y, const int* lens, unsigned int* o, long long n,
+    long long f, long long fwd, long long ss, long long rs) { last_steps<unsigned int>(y, lens, o, n, f, fwd, ss, rs); }
+extern "C" __global__ void rnnserve_last_2(const unsigned short* y, const int* lens, unsigned short* o, long long n,
+    long long f, long long fwd, long long ss, long long rs) { last_steps<unsigned short>(y, lens, o, n, f, fwd, ss, rs); }
+
 #define RNNSERVE_VARIANTS(W, T) \
 extern "C" __global__ void rnnserve_swap01_##W(const T* s, T* d, long long a, long long b, long long r) \
     { swap01<T>(s, d, a, b, r); } \
@@ -80,8 +103,10 @@ def _kernels(cp: Any) -> dict[str, Any]:
         mod = _modules.get(dev)
         if mod is None:
             raw = cp.RawModule(code=_SOURCE, options=("-std=c++14",))
-            mod = _modules[dev] = {f"{kind}_{w}": raw.get_function(f"rnnserve_{kind}_{w}")
-                                   for kind in ("swap01", "gather") for w in _WIDTHS}
+            mod = {f"{kind}_{w}": raw.get_function(f"rnnserve_{kind}_{w}")
+                   for kind in ("swap01", "gather") for w in _WIDTHS}
+            mod.update({f"last_{w}": raw.get_function(f"rnnserve_last_{w}") for w in (4, 2)})
+            _modules[dev] = mod
     return mod
 
 
@@ -153,4 +178,24 @@ def gather_rows(cp: Any, parts: Sequence[Any | None], counts: Sequence[int], lay
     total = layers * total_n * r
     _kernels(cp)[f"gather_{w}"]((_grid(total),), (_THREADS,),
                                 (dev_ptrs, out, np.int64(layers), np.int64(total_n), np.int64(r)))
+    return out
+
+
+def last_steps(cp: Any, y: Any, lens_dev: Any, forward_cols: int) -> Any:
+    """[n, F] many-to-one outputs of ``y`` [n, t, F] (any strides, unit stride along F).
+
+    Columns below ``forward_cols`` come from step ``lens_dev[s] - 1`` (int32 device array), the
+    others from step 0 (a reverse direction ends there). 4- and 2-byte element types.
+    """
+    n, _, f = (int(d) for d in y.shape)
+    item = y.itemsize
+    if item not in (4, 2) or y.strides[2] != item:
+        raise ValueError(f"last_steps needs 4- or 2-byte elements with unit stride, got {y.dtype} {y.strides}")
+    out = cp.empty((n, f), y.dtype)
+    if out.size == 0:
+        return out
+    total = n * f
+    _kernels(cp)[f"last_{item}"]((_grid(total),), (_THREADS,),
+                                 (y, lens_dev, out, np.int64(n), np.int64(f), np.int64(forward_cols),
+                                  np.int64(y.strides[1] // item), np.int64(y.strides[0] // item)))
     return out

@@ -31,7 +31,7 @@ from ..base import (BlockState, Engine, EngineOutput, check_block_states, check_
 from . import library as L
 from .autotune import AlgoTable, BucketChoice, Group, Trial, batch_buckets, choose, plan
 from .block import AlgorithmRejected
-from .copies import gather_rows, swap01, warm
+from .copies import gather_rows, last_steps, swap01, warm
 
 OUTPUT_DEVICES = ("host", "device")
 LAYOUTS = ("batch_major", "seq_major")
@@ -68,6 +68,7 @@ class CudnnEngine(Engine):
 
     name = "cudnn"
     skips_states = True
+    computes_last = True  # forward(..., last_only=True): many-to-one outputs picked on the GPU
     concurrent_batches = 2  # the next batch is ready while the GPU runs and the loop answers the last
 
     def __init__(self, model: PackedModel, precision: str | None = None, allow_tf32: bool | None = None,
@@ -163,8 +164,10 @@ class CudnnEngine(Engine):
             x = np.zeros((b, t, feat), np.float32)
             lens = np.where(np.arange(b) % 2 == 0, t, 1).astype(np.int64)
             self.forward(x, lens)
+            self.forward(x, lens, last_only=True)
             if self.spec.causal:
                 self.forward(x, lens, states_needed=False)
+                self.forward(x, lens, states_needed=False, last_only=True)
             _, finals = self.forward_blocks(x[:2], lens[:2])
             states = self.gather_states([finals, None], [2, b - 2])
             self.forward_blocks(x, lens, states)
@@ -276,7 +279,7 @@ class CudnnEngine(Engine):
             self._ctx = None
 
     def forward(self, x: Any, lengths: Any = None, h0: Any = None, c0: Any = None,
-                output_device: str = "host", states_needed: bool = True) -> EngineOutput:
+                output_device: str = "host", states_needed: bool = True, last_only: bool = False) -> EngineOutput:
         """Run the model; shapes as in :mod:`service.engines.base`.
 
         ``x``/``h0``/``c0`` may be NumPy (copied in through pinned memory) or CuPy
@@ -284,6 +287,9 @@ class CudnnEngine(Engine):
         ``output_device="device"`` returns CuPy arrays without waiting for the GPU.
         ``states_needed=False``: h_n/c_n may come back None, which lets a causal model run a
         ragged batch padded to equal lengths when the plan finds that faster.
+        ``last_only``: ``output`` is None and ``last`` holds the many-to-one outputs [B, D*Ho]
+        (see :mod:`service.engines.base`), taken on the GPU: a batch then copies back B rows
+        instead of B x T.
         """
         if output_device not in OUTPUT_DEVICES:
             raise InvalidInput(f"output_device must be 'host' or 'device', got '{output_device}'")
@@ -291,7 +297,11 @@ class CudnnEngine(Engine):
         pad_ok = self.spec.causal and not states_needed  # padding after a sequence cannot change it
         with self._lock, self._ctx.device, self._ctx.stream:
             x_d, h0_d, c0_d = self._inputs(x, h0, c0)
-            y, hy, cy, _, _ = self._run(x_d, b, t, lens, lengths is None, self._block_views(h0_d, c0_d), pad_ok)
+            y, hy, cy, _, _ = self._run(x_d, b, t, lens, lengths is None, self._block_views(h0_d, c0_d), pad_ok,
+                                        zero_padding=not last_only)
+            if last_only:
+                out = self._outputs(self._last(y, b, t, lens), hy, cy, out_dtype, output_device)
+                return EngineOutput(None, out.h_n, out.c_n, last=out.output)
             return self._outputs(y, hy, cy, out_dtype, output_device)
 
     def forward_blocks(self, x: Any, lengths: Any = None,
@@ -396,11 +406,12 @@ class CudnnEngine(Engine):
                 cys.append(None)
         return hy, cy, hys, cys
 
-    def _run(self, x_d, b, t, lens, uniform_lengths, states, pad_ok=False):
+    def _run(self, x_d, b, t, lens, uniform_lengths, states, pad_ok=False, zero_padding=True):
         """Plan and run one call; returns (y, hy, cy, hys, cys): whole states (or None) and per-block views.
 
         ``pad_ok``: the plan may run a ragged batch at the full ``t`` for every sequence; the
-        outputs past each length are then zeroed and the final states are not valid (all None).
+        outputs past each length are then zeroed (unless not ``zero_padding``: the caller reads
+        none of them) and the final states are not valid (all None).
         """
         cp = self._cp
         key = (b, t)
@@ -420,6 +431,8 @@ class CudnnEngine(Engine):
             y, _, _ = self._run_blocks(x_d, b, t, lens_key, lens_host, lens_dev, states, g.algos, g.seq_major,
                                        (hys, cys))
             if g.uniform and int(lens.min()) < t:  # a padded run: see the docstring
+                if not zero_padding:
+                    return y, None, None, None, None
                 keep = cp.arange(t, dtype=cp.int32)[None, :] < cp.asarray(lens.astype(np.int32))[:, None]
                 y *= keep[:, :, None]
                 return y, None, None, None, None
@@ -427,6 +440,21 @@ class CudnnEngine(Engine):
             y = self._run_groups(groups, x_d, b, t, states, hys, cys)
         return y, hy, cy, hys, cys
 
+
+    def _last(self, y, b, t, lens):
+        """Each sequence's many-to-one output row [b, F] of ``y`` (storage dtype), on the device."""
+        last = self.spec.blocks[-1]
+        if last.variant.get("reverse"):
+            forward_cols = 0
+        elif last.directions == 2:
+            forward_cols = last.output_size
+        else:
+            forward_cols = int(y.shape[2])
+        if int(lens.min()) == t:
+            lens_dev = self._uniform(b, t)[2]
+        else:
+            lens_dev = self._cp.asarray(lens.astype(np.int32))
+        return last_steps(self._cp, y, lens_dev, forward_cols)
 
     def _inputs(self, x, h0, c0):
         cp, conv = self._cp, self._conv
@@ -523,7 +551,7 @@ class CudnnEngine(Engine):
 
         # A sequence-major result is a transposed view of a contiguous [T, B, F] buffer: copy that
         # buffer and hand back the same view of it on the host.
-        transposed = not y.flags.c_contiguous and y.transpose(1, 0, 2).flags.c_contiguous
+        transposed = y.ndim == 3 and not y.flags.c_contiguous and y.transpose(1, 0, 2).flags.c_contiguous
         if not transposed and not y.flags.c_contiguous:
             y = cp.ascontiguousarray(y)
         arrays = [a for a in (y.transpose(1, 0, 2) if transposed else y, hy, cy) if a is not None]

@@ -33,8 +33,8 @@ except ImportError:  # built without a C compiler: the NumPy path serves
     _kernels = None
 
 ENV_SWITCH = "RNNSERVE_NATIVE_CPU"
-_UNITS = 16   # hidden units per weight panel; a panel row is 4 gates x 16 floats
-_PANEL = 64
+_UNITS = 16   # hidden units per weight panel; a panel row is G gates x 16 floats
+_PANEL = 64   # columns of a projection panel
 # A second thread pays when a step has this many multiply-adds, or when the recurrent
 # weights are this large (a step is then bound by reading them, and two cores' caches
 # hold more). Below both, its start-up and per-step barrier cost more than it saves.
@@ -54,14 +54,14 @@ def built() -> bool:
 
 
 def status() -> tuple[bool, str]:
-    """(usable, why): whether float32 LSTM blocks run on the kernel in this process."""
+    """(usable, why): whether plain float32 LSTM and GRU blocks run on the kernels in this process."""
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return False, f"{ENV_SWITCH}=0"
     if _kernels is None:
         return False, "extension not built (no C compiler at install time)"
     if not _kernels.supported():
         return False, "CPU has no AVX-512"
-    return True, "native LSTM kernel (AVX-512)"
+    return True, "native LSTM and GRU kernels (AVX-512)"
 
 
 def _cpu_count() -> int:
