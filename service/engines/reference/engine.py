@@ -5,10 +5,11 @@ the batch is sorted by length once so each step runs on a contiguous active
 prefix (PyTorch packed-sequence semantics without masks); and data is time-major
 so each step touches contiguous rows.
 
-Plain float32 LSTM blocks run on a compiled kernel instead (:mod:`.native`: the
-whole time loop in C, 1.4x-3.2x faster than the NumPy steps, measured) when the
-extension was built and the CPU has AVX-512; ``RNNSERVE_NATIVE_CPU=0`` turns it
-off. ``describe()["cpu_kernel"]`` says which path runs.
+Plain float32 LSTM and (reset-after) GRU blocks run on compiled kernels instead
+(:mod:`.native`: the whole time loop in C; measured 1.6x-3.3x faster than the NumPy
+steps for the LSTM, 1.8x-4.2x for the GRU, 1 layer, T=100, H 128 and 512, B 1 to 64)
+when the extension was built and the CPU has AVX-512; ``RNNSERVE_NATIVE_CPU=0`` turns
+them off. ``describe()["cpu_kernel"]`` says which path runs.
 """
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ def reverse_within_lengths(seq: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 class ReferenceEngine(Engine):
     """NumPy engine; ``dtype`` float32 (default) or float64.
 
-    ``native``: run plain float32 LSTM blocks on the C kernel; None (default) means
-    whenever it is usable (built, AVX-512, ``RNNSERVE_NATIVE_CPU`` not 0).
+    ``native``: run plain float32 LSTM and GRU blocks on the C kernels; None (default)
+    means whenever they are usable (built, AVX-512, ``RNNSERVE_NATIVE_CPU`` not 0).
     """
 
     name = "reference"

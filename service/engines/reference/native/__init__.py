@@ -1,23 +1,32 @@
-"""The compiled LSTM kernel of the reference engine (float32, x86-64 with AVX-512).
+"""The compiled LSTM and GRU kernels of the reference engine (float32, x86-64 with AVX-512).
 
-Why it exists: the NumPy LSTM step is about nine NumPy calls, and PyTorch runs its CPU
-LSTM through oneDNN's fused RNN primitive. On the 2-core CI-class machine (Xeon with
-AVX-512, torch 2.13 with 2 threads, T=100, float32) the NumPy engine reached only
-0.29x-0.46x of torch.nn.LSTM's speed at most points (e.g. B=1, H=128: 0.98 ms vs
-0.34 ms; B=64, H=512: 147 ms vs 68 ms). OpenBLAS's sgemm is no way out: for the
-recurrent product [64, 512] x [512, 2048] it reaches ~120 GFLOP/s where oneDNN's
-fused LSTM sustains ~300. ``kernels.c`` runs the whole time loop of one (layer,
-direction) in C with the GIL released: a register-blocked AVX-512 GEMM on
-pre-packed weights whose epilogue applies the gates, and one helper thread per
-extra core that owns its own hidden units (one barrier a step). Measured in one run
-on that machine, 1 layer, T=100, NumPy path -> kernel: H=128: B=1 1.32 -> 0.42 ms,
-B=16 7.85 -> 3.49 ms, B=64 21.5 -> 8.2 ms; H=512: B=1 10.0 -> 5.8 ms, B=16 69.5 ->
-32.9 ms, B=64 163 -> 118 ms. README.md, "CPU: reference engine", compares it with torch.
+Why they exist: the NumPy LSTM step is about nine NumPy calls (a GRU step about twelve),
+and PyTorch runs its CPU LSTM and GRU through oneDNN's fused RNN primitive. On the 2-core
+CI-class machine (Xeon with AVX-512, torch 2.13 with 2 threads, T=100, float32) the NumPy
+engine reached only 0.29x-0.46x of torch.nn.LSTM's speed at most points (e.g. B=1,
+H=128: 0.98 ms vs 0.34 ms; B=64, H=512: 147 ms vs 68 ms) and 0.59x-0.63x of
+torch.nn.GRU's at B=64, H=128. OpenBLAS's sgemm is no way out: for the recurrent product
+[64, 512] x [512, 2048] it reaches ~120 GFLOP/s where oneDNN's fused LSTM sustains ~300.
+``kernels.c`` runs the whole time loop of one (layer, direction) in C with the GIL
+released: the input projection of a chunk of steps as one GEMM, then per step a
+register-blocked AVX-512 GEMM on pre-packed weights whose epilogue applies the gates, and
+one helper thread per extra core that owns its own hidden units (one barrier a step).
+Measured on that machine (2026-11-22, 1 layer, T=100, best median of 3 blocks of 5 calls),
+NumPy path -> kernel:
 
-The NumPy path stays the exact reference and the fallback: it runs float64, every
-variant (peepholes, clip, other activations, coupled gates), GRU and RNN cells, and
-every LSTM where the extension was not built (no C compiler at install time), the CPU
-lacks AVX-512, or ``RNNSERVE_NATIVE_CPU=0`` is set.
+    H=128  LSTM B=1 1.36 -> 0.41 ms, B=16 8.0 -> 2.8 ms, B=64 18.2 -> 8.8 ms
+           GRU  B=1 1.33 -> 0.31 ms, B=16 6.2 -> 1.8 ms, B=64 18.5 -> 6.8 ms
+    H=512  LSTM B=1 9.0 -> 4.6 ms,   B=16 49.9 -> 25.4 ms, B=64 143 -> 90 ms
+           GRU  B=1 7.9 -> 2.7 ms,   B=16 47.4 -> 24.6 ms, B=64 154 -> 86 ms
+
+README.md, "CPU: reference engine", compares them with torch.
+
+The GRU kernel runs cuDNN's (and PyTorch's) form, the reset gate applied after the
+recurrent product: n = tanh(W_n x + bW_n + r * (R_n h + bR_n)). The NumPy path stays the
+exact reference and the fallback: it runs float64, every variant (peepholes, clip, other
+activations, coupled gates, reset-before GRU, reversed blocks), RNN cells, and every
+block where the extension was not built (no C compiler at install time), the CPU lacks
+AVX-512, or ``RNNSERVE_NATIVE_CPU=0`` is set.
 """
 from __future__ import annotations
 
@@ -90,6 +99,11 @@ def _gate_panels(m: np.ndarray, h: int, gates: int) -> np.ndarray:
     return _aligned(padded.reshape(gates, nb, _UNITS, k).transpose(1, 3, 0, 2).reshape(nb, k, gates * _UNITS))
 
 
+def _bias_panels(b: np.ndarray, h: int, gates: int) -> np.ndarray:
+    """[G*H] cuDNN-ordered gate biases -> [H/16, 16*G], one panel row per unit block."""
+    return _gate_panels(b[:, None], h, gates)[:, 0]
+
+
 def _column_panels(mt: np.ndarray) -> np.ndarray:
     """[K, N] -> [N/64, K, 64] column panels, zero-padded."""
     k, n = mt.shape
@@ -132,9 +146,10 @@ class NativeLSTM(_Packed):
     @classmethod
     def pack(cls, w: np.ndarray, r: np.ndarray, bias: np.ndarray, proj: np.ndarray | None) -> "NativeLSTM":
         """Canonical weights: w [4H, in], r [4H, Ho], bias [4H] (bW + bR), proj [Ho, H] or None."""
-        h = r.shape[0] // 4
-        return cls(w.shape[1], h, r.shape[1], _gate_panels(w, h, 4), _gate_panels(bias[:, None], h, 4)[:, 0],
-                   _gate_panels(r, h, 4), None if proj is None else _column_panels(proj.T))
+        g = cls.gates
+        h = r.shape[0] // g
+        return cls(w.shape[1], h, r.shape[1], _gate_panels(w, h, g), _bias_panels(bias, h, g), _gate_panels(r, h, g),
+                   None if proj is None else _column_panels(proj.T))
 
     def run(self, seq: np.ndarray, active: np.ndarray, hs: np.ndarray, cs: np.ndarray | None) -> np.ndarray:
         """Run all steps of time-major ``seq`` [T, B, in] (batch sorted by length, ``active[t]``
@@ -159,13 +174,14 @@ class NativeGRU(_Packed):
 
         bR_n sits inside the reset gate's product, so it starts the recurrent GEMM (``bh``);
         every other bias folds into the input projection (``bx``), as in the NumPy path."""
-        h = r.shape[0] // 3
+        g = cls.gates
+        h = r.shape[0] // g
         bx = bw.copy()
         bx[:2 * h] += br[:2 * h]
-        bh = np.zeros(3 * h)
+        bh = np.zeros(g * h)
         bh[2 * h:] = br[2 * h:]
-        return cls(w.shape[1], h, h, _gate_panels(w, h, 3), _gate_panels(bx[:, None], h, 3)[:, 0],
-                   _gate_panels(r, h, 3), bh=_gate_panels(bh[:, None], h, 3)[:, 0])
+        return cls(w.shape[1], h, h, _gate_panels(w, h, g), _bias_panels(bx, h, g), _gate_panels(r, h, g),
+                   bh=_bias_panels(bh, h, g))
 
     def run(self, seq: np.ndarray, active: np.ndarray, hs: np.ndarray, cs: np.ndarray | None = None) -> np.ndarray:
         """Run all steps of time-major ``seq`` [T, B, in] (batch sorted by length, ``active[t]``

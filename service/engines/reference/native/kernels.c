@@ -459,7 +459,8 @@ static PyObject *run_job(rnn_job *job) {
             for (int r = 0; r < B; r++) {
                 while (len > 0 && job->active[len - 1] <= r) len--;
                 memcpy(job->h + (long)r * Ho, job->out + ((long)(len - 1) * B + r) * Ho, (size_t)Ho * sizeof(float));
-                if (lstm) memcpy(job->c + (long)r * job->H, job->cs + (long)r * job->Hp, (size_t)job->H * sizeof(float));
+                if (lstm)
+                    memcpy(job->c + (long)r * job->H, job->cs + (long)r * job->Hp, (size_t)job->H * sizeof(float));
             }
         }
         Py_END_ALLOW_THREADS
