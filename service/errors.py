@@ -34,6 +34,13 @@ class Unavailable(RNNServeError):
     status = "UNAVAILABLE"
 
 
+class StaleModelView(Unavailable):
+    """A front-end process validated a request against a model version that has since been replaced.
+
+    The front-end sends the request again as it came, so a client sees it only if that fails too.
+    """
+
+
 class DeadlineExceeded(RNNServeError):
     """The request's own timeout passed before it could run."""
 

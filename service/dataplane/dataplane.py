@@ -6,19 +6,22 @@ status. Validation, model lookup, readiness and request metrics live only here.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from functools import partial
 from typing import Any
 
 from .. import __version__
 from ..engines.base import split_block_states
-from ..errors import RNNServeError, Unavailable
+from ..errors import RNNServeError, StaleModelView, Unavailable
 from ..metrics import ServerMetrics
 from ..registry import ModelRegistry, ModelState, ServedVersion
 from ..scheduler import SequenceWork
 from .signature import ModelSignature
-from .types import InferRequest, InferResponse, InferTensor, datatype_of
-from .validation import StreamRequest, request_deadline, stream_request, to_work
+from .types import InferRequest, InferResponse
+from .validation import StreamRequest
+from .view import ModelView, Prepared, prepare, respond
 
 log = logging.getLogger("rnnserve.dataplane")
 
@@ -37,6 +40,7 @@ class DataPlane:
         # the keys are served (model, version) pairs and outcomes, plus model "" for unknown names.
         self._series: dict[tuple, Any] = {}
         self._signatures: dict[int, tuple[Any, ModelSignature]] = {}
+        self._views: dict[int, ModelView] = {}
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -91,36 +95,93 @@ class DataPlane:
     async def infer(self, request: InferRequest) -> InferResponse:
         """Validate, queue for batching, and answer one request."""
         start = time.perf_counter()
-        known = request.model_name in self.registry.names()
-        model_label, version_label = (request.model_name if known else ""), ""
+        served = None
         try:
             served = self.registry.serving(request.model_name, request.model_version)
-            model_label, version_label = served.name, served.label
-            sig = self._signature(served.model.spec)
-            deadline = request_deadline(request.parameters)
-            stream = stream_request(request.parameters)
-            work = to_work(request, sig, served.config.max_sequence_length, stream)
-            if stream is None:
-                results = await served.scheduler.submit(work, deadline)
-            else:
-                results = await self._stream_chunk(served, stream, work, deadline)
+            view = self._view(served)
+            prepared = prepare(request, view)
         except RNNServeError as exc:
-            self._count(model_label, version_label, exc.status.lower())
+            self._count_refused(request.model_name, served, exc)
             raise
         except Exception as exc:
             log.exception("request to model %s failed", request.model_name)
-            self._count(model_label, version_label, "internal")
+            err = RNNServeError(f"model '{request.model_name}' failed: {type(exc).__name__}: {exc}")
+            self._count_refused(request.model_name, served, err)
+            raise err from exc
+        try:
+            results = await self._submit(served, prepared, start)
+        except RNNServeError:
+            raise
+        except Exception as exc:  # counted as "internal" by _finished
             raise RNNServeError(f"model '{request.model_name}' failed: {type(exc).__name__}: {exc}") from exc
-        params = {o.name: o.parameters for o in (request.outputs or [])}
-        order = [o.name for o in request.outputs] if request.outputs else sig.output_names
-        outputs = []
-        for name in order:
-            if name in results:
-                arr = results[name]
-                outputs.append(InferTensor(name, datatype_of(arr), list(arr.shape), arr, dict(params.get(name, {}))))
-        self._count(model_label, version_label, "success")
-        self._bound("duration", model_label, version_label).observe(time.perf_counter() - start)
-        return InferResponse(served.name, served.label, request.id, outputs)
+        return respond(request, view, results)
+
+    def model_view(self, name: str, version: str = "") -> ModelView:
+        """The view of the version that serves ``name``/``version`` now (NotFound / Unavailable as for infer)."""
+        return self._view(self.registry.serving(name, version))
+
+    def submit_prepared(self, name: str, version: str, generation: int, prepared: Prepared) -> asyncio.Future:
+        """Queue work a front-end process validated against :meth:`model_view`; the future gets the outputs.
+
+        StaleModelView (not counted: the front-end sends the request again whole) when the
+        version serving ``name``/``version`` is no longer the one of ``generation``.
+        """
+        start = time.perf_counter()
+        served = None
+        try:
+            served = self.registry.serving(name, version)
+            if served.generation != generation:
+                raise StaleModelView(f"model '{name}' version {served.label} was reloaded while the request was sent")
+        except StaleModelView:
+            raise
+        except RNNServeError as exc:
+            self._count_refused(name, served, exc)
+            raise
+        return self._submit(served, prepared, start)
+
+    def _submit(self, served: ServedVersion, prepared: Prepared, start: float) -> asyncio.Future:
+        """Queue validated work on ``served``; the future's outcome is counted when it settles."""
+        try:
+            if prepared.stream is None:
+                fut = served.scheduler.enqueue(prepared.work, prepared.deadline)
+            else:
+                fut = asyncio.ensure_future(self._stream_chunk(served, prepared.stream, prepared.work, prepared.deadline))
+        except RNNServeError as exc:
+            self._count(served.name, served.label, exc.status.lower())
+            raise
+        fut.add_done_callback(partial(self._finished, served.name, served.label, start))
+        return fut
+
+    def _finished(self, model: str, version: str, start: float, fut: asyncio.Future) -> None:
+        if fut.cancelled():  # the client went away; nothing was answered
+            return
+        exc = fut.exception()
+        if exc is None:
+            self._count(model, version, "success")
+            self._bound("duration", model, version).observe(time.perf_counter() - start)
+        elif isinstance(exc, RNNServeError):
+            self._count(model, version, exc.status.lower())
+        else:
+            log.error("request to model %s failed", model, exc_info=exc)
+            self._count(model, version, "internal")
+
+    def _count_refused(self, name: str, served: ServedVersion | None, exc: RNNServeError) -> None:
+        """Count a request refused before it was queued (unknown names under model "")."""
+        if served is not None:
+            model, version = served.name, served.label
+        else:
+            model, version = (name if name in self.registry.names() else ""), ""
+        self._count(model, version, exc.status.lower())
+
+    def _view(self, served: ServedVersion) -> ModelView:
+        view = self._views.get(served.generation)
+        if view is None:
+            if len(self._views) > 1024:  # loads and reloads over a long life
+                self._views.clear()
+            view = self._views[served.generation] = ModelView(
+                served.name, served.label, served.generation, self._signature(served.model.spec),
+                served.config.max_sequence_length)
+        return view
 
     async def _stream_chunk(self, served: ServedVersion, stream: StreamRequest, work: SequenceWork,
                             deadline: float | None) -> dict:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import asyncio
+import itertools
 import logging
 import re
 import time
@@ -33,6 +34,7 @@ from ..repository.model import model_versions
 from ..scheduler import Scheduler, StreamStore
 
 log = logging.getLogger("rnnserve.registry")
+_GENERATIONS = itertools.count(1)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 # Fields the server's settings give every model unless its config.json says otherwise.
@@ -60,6 +62,8 @@ class ServedVersion:
     engine: Any = None
     scheduler: Scheduler | None = None
     streams: StreamStore | None = None
+    # Identifies this load of the version across processes (front-ends cache a view of it).
+    generation: int = field(default_factory=_GENERATIONS.__next__)
 
     @property
     def label(self) -> str:

@@ -1,6 +1,7 @@
 """`rnnserve serve --frontends 2`: two front-end processes around one engine process, as a user runs it."""
 from __future__ import annotations
 
+import re
 import time
 import urllib.request
 from pathlib import Path
@@ -13,7 +14,7 @@ from tritonclient.utils import InferenceServerException
 
 from service import create_engine
 from service.repository import load_model
-from serving_support import build_repository, start_server, stop_server
+from serving_support import LSTM, build_repository, make_model, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
@@ -87,6 +88,51 @@ def test_a_stream_continues_whichever_front_end_gets_the_chunk(frontends_server)
         outs.append(res.as_numpy("output"))
     np.testing.assert_allclose(np.concatenate(outs, axis=1), want.output, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(res.as_numpy("h_n"), want.h_n, rtol=1e-5, atol=1e-5)
+
+
+def _successes(http: str) -> float:
+    text = urllib.request.urlopen(f"http://{http}/metrics", timeout=10).read().decode()
+    found = re.search(r'^rnnserve_requests_total\{model="lstm",outcome="success",version="(\d+)"\} (\S+)$', text, re.M)
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith('rnnserve_requests_total{model="lstm",outcome="success"'):
+            total += float(line.rsplit(" ", 1)[1])
+    assert found is not None
+    return total
+
+
+def test_front_ends_serve_a_reloaded_model_with_its_new_weights(frontends_server):
+    """Front-ends validate against a cached view of each model; after a reload they must not run the old one."""
+    repo, _, http, grpc = frontends_server
+    x = np.random.default_rng(5).standard_normal((2, 6, 4)).astype(np.float32)
+    v1 = create_engine(load_model(repo / "lstm", 1), "cpu").forward(x).output
+    before = _successes(http)
+    answered = 0
+    for k in range(4):  # new connections: the kernel spreads them over both front-ends, which cache views
+        with th.InferenceServerClient(http) as hc, tg.InferenceServerClient(grpc) as gc:
+            np.testing.assert_allclose(hc.infer("lstm", [_http_input(x)]).as_numpy("output"), v1, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(gc.infer("lstm", [_grpc_input(x)]).as_numpy("output"), v1, rtol=1e-5, atol=1e-5)
+            answered += 2
+    make_model(*LSTM, seed=7).save(repo, "lstm", 2)
+    v2 = create_engine(load_model(repo / "lstm", 2), "cpu").forward(x).output
+    assert not np.allclose(v1, v2)
+    with th.InferenceServerClient(http) as hc:
+        hc.load_model("lstm")  # version_policy latest: version 2 replaces version 1
+    for k in range(4):
+        with th.InferenceServerClient(http) as hc, tg.InferenceServerClient(grpc) as gc:
+            res = hc.infer("lstm", [_http_input(x)])
+            assert res.get_response()["model_version"] == "2"
+            np.testing.assert_allclose(res.as_numpy("output"), v2, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(gc.infer("lstm", [_grpc_input(x)]).as_numpy("output"), v2, rtol=1e-5, atol=1e-5)
+            answered += 2
+    with th.InferenceServerClient(http) as hc, tg.InferenceServerClient(grpc) as gc:
+        hc.unload_model("lstm")
+        with pytest.raises(InferenceServerException, match="not ready"):
+            gc.infer("lstm", [_grpc_input(x)])
+        hc.load_model("lstm")
+        np.testing.assert_allclose(gc.infer("lstm", [_grpc_input(x)]).as_numpy("output"), v2, rtol=1e-5, atol=1e-5)
+        answered += 1
+    assert _successes(http) - before == answered  # each request counted once, retried or not
 
 
 def test_sigterm_stops_every_process(frontends_server):
