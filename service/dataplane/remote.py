@@ -36,6 +36,7 @@ from functools import partial
 from typing import Any, Callable
 
 from ..errors import NotFound, RNNServeError, StaleModelView, Unavailable
+from ..wire import wire
 from .types import InferRequest, InferResponse
 from .view import ModelView, prepare, respond
 
@@ -181,7 +182,7 @@ class DataPlaneServer:
         elif fut.exception() is not None:
             conn.send((msg_id, False, _portable(fut.exception())))
         else:
-            conn.send((msg_id, True, fut.result()))
+            conn.send((msg_id, True, {name: wire(a) for name, a in fut.result().items()}))
 
     async def _call_async(self, conn: FrameConnection, msg_id: int, method: str, args: tuple) -> None:
         try:

@@ -41,6 +41,9 @@ class Prepared:
     deadline: float | None
     stream: StreamRequest | None
 
+    def __reduce__(self) -> tuple:  # sent to the engine process with every request: no per-field dict
+        return (Prepared, (self.work, self.deadline, self.stream))
+
 
 def prepare(request: InferRequest, view: ModelView) -> Prepared:
     """Validate ``request`` against ``view`` (InvalidInput saying what to change)."""

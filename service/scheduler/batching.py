@@ -20,6 +20,7 @@ import numpy as np
 
 from ..engines.base import BlockState, split_block_states, stack_block_states
 from ..spec import RNNSpec
+from ..wire import wire
 from .rowcopy import copy_sequences
 
 OUTPUT_NAMES = ("output", "output_last", "h_n", "c_n")
@@ -47,6 +48,12 @@ class SequenceWork:
     stream: bool = False
     states: list[BlockState] | None = None
     states_out: list[BlockState] | None = None
+
+    def __reduce__(self) -> tuple:
+        # Sent from front-end processes to the engine process (see service.wire); a stream's device
+        # states never cross: the engine process fills them in.
+        return (SequenceWork, (wire(self.x), wire(self.lengths), wire(self.h0), wire(self.c0), self.outputs,
+                               self.stream))
 
     # Cached: the scheduler reads both for every waiting request on every batch it forms, and a
     # NumPy max costs microseconds (x and lengths do not change once the request is validated).
