@@ -18,6 +18,10 @@ the caller reads only the many-to-one output (each direction's output at its own
 step, as :func:`service.scheduler.batching.output_last` defines it), which then comes
 back as ``last`` [B, D*Ho] with ``output`` None.
 
+An engine whose class sets ``launches`` also has ``launch(x, lengths, h0, c0,
+states_needed, last_only) -> Launched``: ``forward`` with host outputs, split into
+queueing the work (returns at once) and waiting for it (:class:`Launched`).
+
 forward_blocks(x, lengths, states) -> (output, states) is the same computation with
 each block's state kept separately, ``states[k] = (h [B, L_k*D_k, Ho_k], c [B, L_k*D_k, H_k] | None)``,
 so it works for every model, including those with no single state tensor. Stateful
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -119,6 +123,23 @@ class EngineOutput:
     h_n: Any
     c_n: Any = None
     last: Any = None  # many-to-one outputs [B, D*Ho], from engines that compute them (``computes_last``)
+
+
+@dataclass
+class Launched:
+    """A forward call queued on a device by ``engine.launch(...)`` (engines that set ``launches``).
+
+    ``wait()`` blocks until its results are on the host without holding the GIL, so a
+    worker thread can wait while the caller's thread goes on; ``finish()`` then returns
+    the EngineOutput (once).
+    """
+
+    event: Any
+    finish: Callable[[], EngineOutput]
+
+    def wait(self) -> None:
+        """Block until the device has finished this call and its copies to the host."""
+        self.event.synchronize()
 
 
 class Engine(ABC):

@@ -180,14 +180,34 @@ def run_batch(engine: Any, parts: list[SequenceWork]) -> tuple[MergedBatch, list
     batch = merge(parts)
     if any(p.stream for p in parts):
         return batch, _run_with_block_states(engine, batch, parts)
+    out = engine.forward(batch.x, batch.lengths, batch.h0, batch.c0, **_options(engine, parts))
+    return batch, split_output(engine, batch, out, parts)
+
+
+def can_launch(engine: Any, parts: list[SequenceWork]) -> bool:
+    """Whether this batch can be queued with :func:`launch_batch` (a launching engine, no stream chunk)."""
+    return getattr(engine, "launches", False) and not any(p.stream for p in parts)
+
+
+def launch_batch(engine: Any, parts: list[SequenceWork]) -> tuple[MergedBatch, Any]:
+    """Merge and queue the batch on the engine's device; returns it with the engine's Launched."""
+    batch = merge(parts)
+    return batch, engine.launch(batch.x, batch.lengths, batch.h0, batch.c0, **_options(engine, parts))
+
+
+def _options(engine: Any, parts: list[SequenceWork]) -> dict[str, bool]:
+    """What the batch lets the engine skip: final states nobody reads, outputs other than the last steps."""
     options = {}
     if getattr(engine, "skips_states", False) and not any({"h_n", "c_n"} & p.outputs for p in parts):
         options["states_needed"] = False
     if getattr(engine, "computes_last", False) and not any("output" in p.outputs for p in parts):
         options["last_only"] = True
-    out = engine.forward(batch.x, batch.lengths, batch.h0, batch.c0, **options)
-    return batch, split(engine.spec, batch, _host(out.output), _host(out.h_n), _host(out.c_n), parts,
-                        _host(out.last))
+    return options
+
+
+def split_output(engine: Any, batch: MergedBatch, out: Any, parts: list[SequenceWork]) -> list[dict[str, np.ndarray]]:
+    """:func:`split` of an EngineOutput (host or CuPy arrays)."""
+    return split(engine.spec, batch, _host(out.output), _host(out.h_n), _host(out.c_n), parts, _host(out.last))
 
 
 def _run_with_block_states(engine: Any, batch: MergedBatch, parts: list[SequenceWork]) -> list[dict[str, np.ndarray]]:

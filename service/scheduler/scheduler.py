@@ -54,7 +54,7 @@ import numpy as np
 
 from ..errors import DeadlineExceeded, RNNServeError, Unavailable
 from ..metrics import ServerMetrics
-from .batching import SequenceWork, run_batch
+from .batching import SequenceWork, can_launch, launch_batch, run_batch, split_output
 
 log = logging.getLogger("rnnserve.scheduler")
 
@@ -94,6 +94,7 @@ class Scheduler:
         # the last one's requests (its own lock keeps engine calls in order, one at a time).
         self._inflight = max(1, int(getattr(engine, "concurrent_batches", 1)))
         self._turn = threading.Lock()
+        self._busy_until = 0.0
         # Label lookups take a lock and hash the labels: bind this model's series once. The registry
         # removes the gauges only when the version goes away for good (not when a reload replaces it).
         self._series = None if metrics is None else SimpleNamespace(**{
@@ -270,11 +271,25 @@ class Scheduler:
             merged, results = run_batch(self.engine, parts)
             return merged, results, time.perf_counter() - start
 
+    async def _launched_batch(self, parts: list[SequenceWork]) -> tuple[Any, list[dict[str, np.ndarray]], float]:
+        """Merge and launch on this thread, wait on a worker thread, split here (see Engine ``launches``)."""
+        start = time.perf_counter()
+        merged, launched = launch_batch(self.engine, parts)
+        await asyncio.get_running_loop().run_in_executor(self._executor, launched.wait)
+        results = split_output(self.engine, merged, launched.finish(), parts)
+        # Busy time without overlap: a batch launched while the previous one still ran counts from its end.
+        end = time.perf_counter()
+        elapsed, self._busy_until = end - max(start, self._busy_until), end
+        return merged, results, elapsed
+
     async def _run(self, batch: list[_Waiting]) -> None:
         parts = [w.work for w in batch]
         loop = asyncio.get_running_loop()
         try:
-            merged, results, elapsed = await loop.run_in_executor(self._executor, self._timed_batch, parts)
+            if can_launch(self.engine, parts):
+                merged, results, elapsed = await self._launched_batch(parts)
+            else:
+                merged, results, elapsed = await loop.run_in_executor(self._executor, self._timed_batch, parts)
         except Exception as exc:  # noqa: BLE001 - a failed batch fails its requests, not the server
             sequences = sum(p.sequences for p in parts)
             if isinstance(exc, RNNServeError):

@@ -251,6 +251,92 @@ async def test_many_to_one_batches_ask_the_engine_for_last_steps_only(blocks):
     await sched.stop()
 
 
+class _HostEvent:
+    """Stands in for a CUDA event: set when the (CPU) work is done."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.waited_on: str | None = None
+
+    def synchronize(self) -> None:
+        self.waited_on = threading.current_thread().name
+        assert self.done.wait(10)
+
+
+class LaunchingEngine(LastOnlyEngine):
+    """Queues work like the cuDNN engine (``launches``): computes on its own thread, waited on elsewhere."""
+
+    launches = True
+    skips_states = True
+
+    def __init__(self, blocks=LSTM, fail_wait: bool = False) -> None:
+        super().__init__(blocks)
+        self.fail_wait = fail_wait
+        self.launched_on: list[str] = []
+        self.events: list[_HostEvent] = []
+
+    def forward(self, x, lengths=None, h0=None, c0=None, states_needed=True, last_only=False):
+        return super().forward(x, lengths, h0, c0, last_only=last_only)
+
+    def launch(self, x, lengths=None, h0=None, c0=None, states_needed=True, last_only=False):
+        from service.engines.base import Launched
+
+        if np.any(x == 999):
+            raise ValueError("poisoned input")
+        self.launched_on.append(threading.current_thread().name)
+        event = _HostEvent()
+        self.events.append(event)
+        box = {}
+
+        def work():
+            box["out"] = self.forward(x, lengths, h0, c0, states_needed, last_only)
+            if self.fail_wait:
+                box["out"] = None
+            event.done.set()
+
+        threading.Thread(target=work).start()
+
+        def finish():
+            if box["out"] is None:
+                raise RuntimeError("device failure")
+            return box["out"]
+
+        return Launched(event, finish)
+
+
+async def test_a_launching_engine_is_launched_from_the_loop_and_waited_on_elsewhere():
+    engine = LaunchingEngine(GRU_BI)
+    sched = await _scheduler(engine, max_queue_delay_us=20_000)
+    parts = [SequenceWork(_work(t, seed=t).x, np.array([n]), outputs=frozenset(outs))
+             for t, n, outs in ((5, 3, {"output_last"}), (7, 7, {"output_last"}), (4, 2, {"output", "h_n"}))]
+    got = await asyncio.gather(*(sched.submit(p) for p in parts))
+    assert engine.launched_on == [threading.current_thread().name]  # one batch, queued from the event loop
+    assert engine.events[0].waited_on != threading.current_thread().name
+    assert engine.asked == [False]  # one part wants the whole output
+    for p, res in zip(parts, got):
+        want = engine.inner.forward(p.x, p.lengths)
+        if "output" in p.outputs:
+            np.testing.assert_allclose(res["output"], want.output, rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(res["h_n"], want.h_n, rtol=1e-6, atol=1e-7)
+        else:
+            np.testing.assert_allclose(res["output_last"], output_last(engine.spec, want.output, p.lengths),
+                                       rtol=1e-6, atol=1e-7)
+    await sched.stop()
+
+
+@pytest.mark.parametrize("fail_wait", [False, True])
+async def test_a_launched_batch_that_fails_fails_only_its_requests(fail_wait):
+    engine = LaunchingEngine(fail_wait=fail_wait)
+    sched = await _scheduler(engine, max_queue_delay_us=0)
+    bad = _work(3, fill=999.0) if not fail_wait else _work(3)
+    with pytest.raises(RNNServeError, match="poisoned input" if not fail_wait else "device failure"):
+        await sched.submit(bad)
+    engine.fail_wait = False
+    res = await sched.submit(_work(4, seed=2))
+    np.testing.assert_allclose(res["output"], engine.inner.forward(_work(4, seed=2).x).output, rtol=1e-6, atol=1e-7)
+    await sched.stop()
+
+
 class PipelinedEngine(GatedEngine):
     concurrent_batches = 2
 

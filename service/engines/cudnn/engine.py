@@ -26,12 +26,13 @@ import numpy as np
 
 from ...errors import EngineUnavailable, InvalidInput
 from ...repository import PackedModel
-from ..base import (BlockState, Engine, EngineOutput, check_block_states, check_forward_args,
+from ..base import (BlockState, Engine, EngineOutput, Launched, check_block_states, check_forward_args,
                     gather_block_states)
 from . import library as L
 from .autotune import AlgoTable, BucketChoice, Group, Trial, batch_buckets, choose, plan
 from .block import AlgorithmRejected
 from .copies import gather_rows, last_steps, swap01, warm
+from .transfer import download_async
 
 OUTPUT_DEVICES = ("host", "device")
 LAYOUTS = ("batch_major", "seq_major")
@@ -69,6 +70,7 @@ class CudnnEngine(Engine):
     name = "cudnn"
     skips_states = True
     computes_last = True  # forward(..., last_only=True): many-to-one outputs picked on the GPU
+    launches = True  # launch(...): queue a forward call, wait for it elsewhere (see launch)
     concurrent_batches = 2  # the next batch is ready while the GPU runs and the loop answers the last
 
     def __init__(self, model: PackedModel, precision: str | None = None, allow_tf32: bool | None = None,
@@ -122,7 +124,7 @@ class CudnnEngine(Engine):
             with self._ctx.device, self._ctx.stream:
                 self._conv = Converter(cp, self.precision)
                 self._staging = HostStaging(cp)
-                self._done = cp.cuda.Event(block=True, disable_timing=True) if blocking_sync else None
+                self._blocking_sync = blocking_sync
                 self._prec = self._build_runners(BlockRunner, prec, force_per_matrix_upload)
                 steps = max(1, int(tune_steps))
                 self._buckets = batch_buckets(self.max_batch_size, buckets)
@@ -293,16 +295,42 @@ class CudnnEngine(Engine):
         """
         if output_device not in OUTPUT_DEVICES:
             raise InvalidInput(f"output_device must be 'host' or 'device', got '{output_device}'")
+        if output_device == "host":
+            launched = self.launch(x, lengths, h0, c0, states_needed, last_only)
+            launched.wait()
+            return launched.finish()
+        with self._lock, self._ctx.device, self._ctx.stream:
+            y, hy, cy, out_dtype = self._queue(x, lengths, h0, c0, states_needed, last_only)
+            out = self._outputs(y, hy, cy, out_dtype, output_device)
+            return EngineOutput(None, out.h_n, out.c_n, last=out.output) if last_only else out
+
+    def launch(self, x: Any, lengths: Any = None, h0: Any = None, c0: Any = None, states_needed: bool = True,
+               last_only: bool = False) -> Launched:
+        """Queue :meth:`forward` (host outputs) on the GPU and return without waiting for it.
+
+        ``wait()`` on the result blocks until the outputs are on the host (it gives up the
+        GIL: call it on another thread), then ``finish()`` returns the EngineOutput. The
+        scheduler launches batches from its event loop and waits on a worker thread: the
+        batch's host work then never waits for the GIL between its launches and copies,
+        which a busy event loop made cost more than the work itself (H200 host: a batch of
+        22 ragged requests, 1.2 ms alone, 2.4 ms with a busy event loop; bench/batch_path.py).
+        Calls queue in order on the engine's stream, so a second launch may follow before
+        the first is collected.
+        """
+        with self._lock, self._ctx.device, self._ctx.stream:
+            y, hy, cy, out_dtype = self._queue(x, lengths, h0, c0, states_needed, last_only)
+            return self._download(y, hy, cy, out_dtype, last_only)
+
+    def _queue(self, x, lengths, h0, c0, states_needed, last_only):
+        """Inputs in, blocks run (and the many-to-one rows picked): (y, hy, cy, out_dtype) on the device."""
         x, b, t, lens, out_dtype = self._check(x, lengths, h0, c0)
         pad_ok = self.spec.causal and not states_needed  # padding after a sequence cannot change it
-        with self._lock, self._ctx.device, self._ctx.stream:
-            x_d, h0_d, c0_d = self._inputs(x, h0, c0)
-            y, hy, cy, _, _ = self._run(x_d, b, t, lens, lengths is None, self._block_views(h0_d, c0_d), pad_ok,
-                                        zero_padding=not last_only)
-            if last_only:
-                out = self._outputs(self._last(y, b, t, lens), hy, cy, out_dtype, output_device)
-                return EngineOutput(None, out.h_n, out.c_n, last=out.output)
-            return self._outputs(y, hy, cy, out_dtype, output_device)
+        x_d, h0_d, c0_d = self._inputs(x, h0, c0)
+        y, hy, cy, _, _ = self._run(x_d, b, t, lens, lengths is None, self._block_views(h0_d, c0_d), pad_ok,
+                                    zero_padding=not last_only)
+        if last_only:
+            y = self._last(y, b, t, lens)
+        return y, hy, cy, out_dtype
 
     def forward_blocks(self, x: Any, lengths: Any = None,
                        states: Sequence[BlockState] | None = None) -> tuple[Any, list[BlockState]]:
@@ -539,26 +567,44 @@ class CudnnEngine(Engine):
         return y
 
     def _outputs(self, y, hy, cy, out_dtype, output_device) -> EngineOutput:
+        """Results in the caller's dtype: CuPy arrays (``output_device="device"``) or host arrays, waited for."""
+        if output_device == "host":
+            launched = self._download(y, hy, cy, out_dtype, False)
+            launched.wait()
+            return launched.finish()
         cp, conv = self._cp, self._conv
         y = conv.from_store(y, out_dtype)
         hy = None if hy is None else conv.from_store(hy, out_dtype)
         cy = None if cy is None else conv.from_store(cy, out_dtype)
-        if output_device == "device":
-            h_n = None if hy is None else swap01(cp, hy)
-            c_n = None if cy is None else swap01(cp, cy)
-            return EngineOutput(y, h_n, c_n)
-        from .transfer import download
+        h_n = None if hy is None else swap01(cp, hy)
+        c_n = None if cy is None else swap01(cp, cy)
+        return EngineOutput(y, h_n, c_n)
 
+    def _download(self, y, hy, cy, out_dtype, last_only: bool) -> Launched:
+        """Queue the copies of the results to pinned host memory; the Launched waits for them.
+
+        ``last_only``: ``y`` is the [B, F] many-to-one result, handed back as ``last``.
+        """
+        cp, conv = self._cp, self._conv
+        y = conv.from_store(y, out_dtype)
+        hy = None if hy is None else conv.from_store(hy, out_dtype)
+        cy = None if cy is None else conv.from_store(cy, out_dtype)
         # A sequence-major result is a transposed view of a contiguous [T, B, F] buffer: copy that
         # buffer and hand back the same view of it on the host.
         transposed = y.ndim == 3 and not y.flags.c_contiguous and y.transpose(1, 0, 2).flags.c_contiguous
         if not transposed and not y.flags.c_contiguous:
             y = cp.ascontiguousarray(y)
         arrays = [a for a in (y.transpose(1, 0, 2) if transposed else y, hy, cy) if a is not None]
-        host = download(cp, arrays, self._ctx.stream, self._done)
-        out = host.pop(0)
-        if transposed:
-            out = out.transpose(1, 0, 2)
-        h_n = None if hy is None else np.ascontiguousarray(host.pop(0).transpose(1, 0, 2))
-        c_n = None if cy is None else np.ascontiguousarray(host.pop(0).transpose(1, 0, 2))
-        return EngineOutput(out, h_n, c_n)
+        host = download_async(cp, arrays, self._ctx.stream)
+        done = cp.cuda.Event(block=self._blocking_sync, disable_timing=True)
+        done.record(self._ctx.stream)
+
+        def finish() -> EngineOutput:
+            out = host.pop(0)
+            if transposed:
+                out = out.transpose(1, 0, 2)
+            h_n = None if hy is None else np.ascontiguousarray(host.pop(0).transpose(1, 0, 2))
+            c_n = None if cy is None else np.ascontiguousarray(host.pop(0).transpose(1, 0, 2))
+            return EngineOutput(None, h_n, c_n, last=out) if last_only else EngineOutput(out, h_n, c_n)
+
+        return Launched(done, finish)

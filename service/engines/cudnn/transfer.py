@@ -8,7 +8,6 @@ second pass on the host.
 """
 from __future__ import annotations
 
-from typing import Any
 
 import numpy as np
 
@@ -115,11 +114,11 @@ class HostStaging:
         return [cp.ndarray(arr.shape, dtype=dtype, memptr=dev.data + off) for (arr, dtype), off in zip(arrays, offsets)]
 
 
-def download(cp, arrays: list, stream, done: Any = None) -> list[np.ndarray]:
-    """Copy device arrays (C-contiguous) into pinned host memory and wait; returns NumPy arrays.
+def download_async(cp, arrays: list, stream) -> list[np.ndarray]:
+    """Queue copies of device arrays (C-contiguous) into pinned host memory on ``stream``.
 
-    ``done``: an event recorded after the copies and waited on (a blocking-sync event sleeps
-    instead of spinning); without it the stream is synchronized.
+    Returns NumPy arrays over that memory; they hold the results once the stream has
+    passed the copies (record an event after this call and wait on it).
     """
     out = []
     for a in arrays:
@@ -129,9 +128,4 @@ def download(cp, arrays: list, stream, done: Any = None) -> list[np.ndarray]:
         if nbytes:
             cp.cuda.runtime.memcpyAsync(host.ctypes.data, a.data.ptr, nbytes, _D2H, stream.ptr)
         out.append(host)
-    if done is None:
-        stream.synchronize()
-    else:
-        done.record(stream)
-        done.synchronize()
     return out
