@@ -20,7 +20,8 @@ back as ``last`` [B, D*Ho] with ``output`` None.
 
 An engine whose class sets ``launches`` also has ``launch(x, lengths, h0, c0,
 states_needed, last_only) -> Launched``: ``forward`` with host outputs, split into
-queueing the work (returns at once) and waiting for it (:class:`Launched`).
+queueing the work (returns at once) and waiting for it (:class:`Launched`); and
+``launch_blocks(x, lengths, states) -> Launched`` the same for ``forward_blocks``.
 
 forward_blocks(x, lengths, states) -> (output, states) is the same computation with
 each block's state kept separately, ``states[k] = (h [B, L_k*D_k, Ho_k], c [B, L_k*D_k, H_k] | None)``,

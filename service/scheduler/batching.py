@@ -179,20 +179,28 @@ def run_batch(engine: Any, parts: list[SequenceWork]) -> tuple[MergedBatch, list
     """Merge, run the engine once, split: the body of one scheduler step (runs off the event loop)."""
     batch = merge(parts)
     if any(p.stream for p in parts):
-        return batch, _run_with_block_states(engine, batch, parts)
+        output, finals = engine.forward_blocks(batch.x, batch.lengths, _initial_states(engine, parts))
+        return batch, _split_block_states(engine, batch, output, finals, parts)
     out = engine.forward(batch.x, batch.lengths, batch.h0, batch.c0, **_options(engine, parts))
     return batch, split_output(engine, batch, out, parts)
 
 
-def can_launch(engine: Any, parts: list[SequenceWork]) -> bool:
-    """Whether this batch can be queued with :func:`launch_batch` (a launching engine, no stream chunk)."""
-    return getattr(engine, "launches", False) and not any(p.stream for p in parts)
-
-
 def launch_batch(engine: Any, parts: list[SequenceWork]) -> tuple[MergedBatch, Any]:
-    """Merge and queue the batch on the engine's device; returns it with the engine's Launched."""
+    """Merge and queue the batch on a launching engine (``launches``); returns it with the engine's Launched."""
     batch = merge(parts)
+    if any(p.stream for p in parts):
+        return batch, engine.launch_blocks(batch.x, batch.lengths, _initial_states(engine, parts))
     return batch, engine.launch(batch.x, batch.lengths, batch.h0, batch.c0, **_options(engine, parts))
+
+
+def finish_batch(engine: Any, batch: MergedBatch, launched: Any, parts: list[SequenceWork]
+                 ) -> list[dict[str, np.ndarray]]:
+    """The results of a batch from :func:`launch_batch`, once its Launched has been waited for."""
+    out = launched.finish()
+    if any(p.stream for p in parts):
+        output, finals = out
+        return _split_block_states(engine, batch, output, finals, parts)
+    return split_output(engine, batch, out, parts)
 
 
 def _options(engine: Any, parts: list[SequenceWork]) -> dict[str, bool]:
@@ -210,16 +218,20 @@ def split_output(engine: Any, batch: MergedBatch, out: Any, parts: list[Sequence
     return split(engine.spec, batch, _host(out.output), _host(out.h_n), _host(out.c_n), parts, _host(out.last))
 
 
-def _run_with_block_states(engine: Any, batch: MergedBatch, parts: list[SequenceWork]) -> list[dict[str, np.ndarray]]:
-    """A batch holding stream chunks: gather per-block states, run, scatter the new states to each chunk."""
+def _initial_states(engine: Any, parts: list[SequenceWork]) -> Any:
+    """A batch holding stream chunks: its per-block initial states gathered on the engine, or None (all zeros)."""
     spec = engine.spec
     initial = [p.states if p.stream else (split_block_states(spec, p.h0, p.c0) if p.h0 is not None or p.c0 is not None
                                           else None) for p in parts]
     if all(s is None for s in initial):
-        states = None
-    else:
-        states = engine.gather_states(initial, [p.sequences for p in parts])
-    output, finals = engine.forward_blocks(batch.x, batch.lengths, states)
+        return None
+    return engine.gather_states(initial, [p.sequences for p in parts])
+
+
+def _split_block_states(engine: Any, batch: MergedBatch, output: Any, finals: Any, parts: list[SequenceWork]
+                        ) -> list[dict[str, np.ndarray]]:
+    """Results of a batch run with block states; each stream chunk keeps its rows of the new states."""
+    spec = engine.spec
     h_n = c_n = None
     if any({"h_n", "c_n"} & p.outputs for p in parts):
         h_n, c_n = (_host(a) for a in stack_block_states(spec, finals))

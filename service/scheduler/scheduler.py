@@ -33,6 +33,12 @@ Batching policy
 * A batch that raises fails its own requests with the error (engine errors are
   wrapped with the model name and batch size); the scheduler keeps serving.
 
+An engine that ``launches`` (the cuDNN engine) has each batch merged and queued on
+the GPU from the event loop, and only the wait for the GPU runs on the worker thread;
+the results are split on the event loop again. The batch's host work then runs in one
+stretch: on a worker thread it had to win the GIL back from the busy event loop after
+every launch and copy (see :meth:`service.engines.cudnn.CudnnEngine.launch`).
+
 Stateful streams need nothing special here: the dataplane fills ``SequenceWork.h0/c0``
 from the :class:`~.streams.StreamStore` and keeps ``h_n/c_n`` from the result, and
 submits a stream's chunks one at a time, so chunks of different streams batch
@@ -54,7 +60,7 @@ import numpy as np
 
 from ..errors import DeadlineExceeded, RNNServeError, Unavailable
 from ..metrics import ServerMetrics
-from .batching import SequenceWork, can_launch, launch_batch, run_batch, split_output
+from .batching import SequenceWork, finish_batch, launch_batch, run_batch
 
 log = logging.getLogger("rnnserve.scheduler")
 
@@ -276,7 +282,7 @@ class Scheduler:
         start = time.perf_counter()
         merged, launched = launch_batch(self.engine, parts)
         await asyncio.get_running_loop().run_in_executor(self._executor, launched.wait)
-        results = split_output(self.engine, merged, launched.finish(), parts)
+        results = finish_batch(self.engine, merged, launched, parts)
         # Busy time without overlap: a batch launched while the previous one still ran counts from its end.
         end = time.perf_counter()
         elapsed, self._busy_until = end - max(start, self._busy_until), end
@@ -286,7 +292,7 @@ class Scheduler:
         parts = [w.work for w in batch]
         loop = asyncio.get_running_loop()
         try:
-            if can_launch(self.engine, parts):
+            if getattr(self.engine, "launches", False):
                 merged, results, elapsed = await self._launched_batch(parts)
             else:
                 merged, results, elapsed = await loop.run_in_executor(self._executor, self._timed_batch, parts)

@@ -303,6 +303,37 @@ class LaunchingEngine(LastOnlyEngine):
 
         return Launched(event, finish)
 
+    def gather_states(self, parts, counts):
+        return self.inner.gather_states(parts, counts)
+
+    def launch_blocks(self, x, lengths=None, states=None):
+        from service.engines.base import Launched
+
+        self.launched_on.append(threading.current_thread().name)
+        event = _HostEvent()
+        out = self.inner.forward_blocks(x, lengths, states)
+        event.done.set()
+        return Launched(event, lambda: out)
+
+
+async def test_stream_chunks_on_a_launching_engine_carry_their_state():
+    engine = LaunchingEngine()
+    sched = await _scheduler(engine, max_queue_delay_us=0)
+    x = _work(9, seed=4).x
+    states, outs = None, []
+    for a, b in ((0, 4), (4, 5), (5, 9)):
+        chunk = SequenceWork(np.ascontiguousarray(x[:, a:b]), np.array([b - a]), stream=True, states=states,
+                             outputs=frozenset({"output", "h_n", "c_n"}))
+        res = await sched.submit(chunk)
+        states = chunk.states_out
+        outs.append(res["output"])
+    want = engine.inner.forward(x)
+    assert len(engine.launched_on) == 3 and set(engine.launched_on) == {threading.current_thread().name}
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), want.output, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(res["h_n"], want.h_n, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(res["c_n"], want.c_n, rtol=1e-6, atol=1e-7)
+    await sched.stop()
+
 
 async def test_a_launching_engine_is_launched_from_the_loop_and_waited_on_elsewhere():
     engine = LaunchingEngine(GRU_BI)

@@ -340,6 +340,12 @@ class CudnnEngine(Engine):
         engine's output dtype that stay on the GPU (what stateful streams keep between
         chunks); ``output`` is a host array as from :meth:`forward`.
         """
+        launched = self.launch_blocks(x, lengths, states)
+        launched.wait()
+        return launched.finish()
+
+    def launch_blocks(self, x: Any, lengths: Any = None, states: Sequence[BlockState] | None = None) -> Launched:
+        """:meth:`forward_blocks` queued without waiting (see :meth:`launch`); ``finish()`` gives (output, states)."""
         x, b, t, lens, out_dtype = self._check(x, lengths, None, None)
         if states is not None:
             check_block_states(self.spec, states, b)
@@ -352,7 +358,8 @@ class CudnnEngine(Engine):
             y, _, _, hys, cys = self._run(x_d, b, t, lens, lengths is None, views)
             finals = [tuple(None if a is None else swap01(cp, conv.from_store(a, out_dtype)) for a in st)
                       for st in zip(hys, cys)]
-            return self._outputs(y, None, None, out_dtype, "host").output, finals
+            launched = self._download(y, None, None, out_dtype, False)
+            return Launched(launched.event, lambda: (launched.finish().output, finals))
 
     def gather_states(self, parts: Sequence[Sequence[BlockState] | None], counts: Sequence[int]) -> list[BlockState]:
         """One batch's per-block states as CuPy arrays, gathered on the engine's stream (see the base class).
