@@ -483,8 +483,11 @@ def test_bad_input_is_rejected_with_a_message():
             eng.forward(rand((2, 3, 4)), np.array([0, 3]))
     finally:
         eng.close()
-    with pytest.raises(EngineUnavailable, match="closed"):
-        eng.forward(rand((2, 3, 4)))
+    for call in (lambda: eng.forward(rand((2, 3, 4))), lambda: eng.forward(rand((2, 3, 4)), output_device="device"),
+                 lambda: eng.launch(rand((2, 3, 4))), lambda: eng.launch_blocks(rand((2, 3, 4))),
+                 lambda: eng.forward_blocks(rand((2, 3, 4))), lambda: eng.gather_states([None], [2])):
+        with pytest.raises(EngineUnavailable, match="closed"):
+            call()
 
 
 @gpu

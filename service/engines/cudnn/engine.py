@@ -299,6 +299,7 @@ class CudnnEngine(Engine):
             launched = self.launch(x, lengths, h0, c0, states_needed, last_only)
             launched.wait()
             return launched.finish()
+        self._ensure_open()
         with self._lock, self._ctx.device, self._ctx.stream:
             y, hy, cy, out_dtype = self._queue(x, lengths, h0, c0, states_needed, last_only)
             out = self._outputs(y, hy, cy, out_dtype, output_device)
@@ -317,6 +318,7 @@ class CudnnEngine(Engine):
         Calls queue in order on the engine's stream, so a second launch may follow before
         the first is collected.
         """
+        self._ensure_open()
         with self._lock, self._ctx.device, self._ctx.stream:
             y, hy, cy, out_dtype = self._queue(x, lengths, h0, c0, states_needed, last_only)
             return self._download(y, hy, cy, out_dtype, last_only)
@@ -369,6 +371,7 @@ class CudnnEngine(Engine):
         :meth:`forward_blocks` hands to cuDNN without another copy. Parts that are not such
         device arrays (NumPy, other dtypes) take the generic concatenation.
         """
+        self._ensure_open()
         cp = self._cp
         with self._lock, self._ctx.device, self._ctx.stream:
             out: list[BlockState] = []
@@ -389,9 +392,12 @@ class CudnnEngine(Engine):
 
     # -- forward pieces ---------------------------------------------------------------------------
 
-    def _check(self, x, lengths, h0, c0):
+    def _ensure_open(self) -> None:
         if self._ctx is None:
             raise EngineUnavailable("this cuDNN engine was closed")
+
+    def _check(self, x, lengths, h0, c0):
+        self._ensure_open()
         on_device = isinstance(x, self._cp.ndarray)
         if not on_device:
             x = np.asarray(x)
