@@ -731,3 +731,32 @@ def test_last_only_equals_the_host_gather(cell, bidirectional, precision, layout
                     np.testing.assert_array_equal(last.h_n, full.h_n)
     finally:
         eng.close()
+
+
+@gpu
+def test_launches_in_flight_together_equal_forward(torch_cuda):
+    """launch()/launch_blocks() queue without waiting; waited for out of order, each equals its forward call."""
+    mod = make_torch("lstm", 10, 24, 2, seed=11)
+    model = model_from_torch(mod, max_batch_size=64)
+    x1, x2 = rand((9, 12, 10), seed=12), rand((5, 7, 10), seed=13)
+    lens1 = np.array([12, 1, 5, 12, 7, 3, 12, 9, 2])
+    eng = CudnnEngine(model)
+    try:
+        first = eng.launch(x1, lens1, states_needed=False, last_only=True)
+        second = eng.launch(x2)
+        blocks = eng.launch_blocks(x2[:2])
+        blocks.wait()
+        second.wait()
+        first.wait()
+        got1, got2 = first.finish(), second.finish()
+        out, finals = blocks.finish()
+        want1 = eng.forward(x1, lens1, states_needed=False, last_only=True)
+        want2 = eng.forward(x2)
+    finally:
+        eng.close()
+    np.testing.assert_array_equal(got1.last, want1.last)
+    np.testing.assert_array_equal(got2.output, want2.output)
+    np.testing.assert_array_equal(got2.h_n, want2.h_n)
+    check_all(got2, torch_run([mod], x2))
+    check(out, torch_run([mod], x2[:2]).output)
+    check(finals[0][0].get(), torch_run([mod], x2[:2]).h_n)
