@@ -605,6 +605,21 @@ def test_plan_large_batch_is_cut_into_biggest_buckets():
         assert all(g.n <= 8 for g in groups) and sum(g.n for g in groups) == 20
 
 
+@pytest.mark.parametrize("fast_persistent", [False, True])
+@pytest.mark.parametrize("pad_ok", [False, True])
+def test_plan_pruning_never_changes_the_choice(fast_persistent, pad_ok):
+    """The lower bound that skips building groups only skips plans that would lose anyway."""
+    rng = np.random.default_rng(5)
+    pruned, exhaustive = _table(fast_persistent), _table(fast_persistent)
+    exhaustive.__dict__["min_step_ms"] = -1e9  # a bound that never prunes
+    for _ in range(300):
+        b = int(rng.integers(1, 12))
+        lengths = rng.integers(1, 11, size=b) if rng.random() < 0.5 else rng.choice([3, 10], size=b)
+        want = plan(exhaustive, b, 10, lengths, pad_ok)
+        got = plan(pruned, b, 10, lengths, pad_ok)
+        assert [(g.n, g.steps, g.algos, g.uniform) for g in got] == [(g.n, g.steps, g.algos, g.uniform) for g in want]
+
+
 def test_plan_forced_algorithm_always_splits_ragged_batches():
     groups = plan(_table(True, forced=1), 3, 10, np.array([10, 2, 10]))
     assert len(groups) == 2

@@ -29,6 +29,7 @@ groups win when a few lengths repeat, e.g. a streaming client's fixed chunks.
 from __future__ import annotations
 
 import statistics
+from functools import cached_property
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -158,6 +159,15 @@ class AlgoTable:
             out.append(algo)
         return tuple(out)
 
+    @cached_property
+    def min_step_ms(self) -> float:
+        """A lower bound of any call's ms per step: per block, the fastest time of any bucket and algorithm."""
+        total = 0.0
+        for k, per in enumerate(self.choices):
+            total += min(self.step_ms(k, algo, c.bucket) for c in per
+                         for algo in {c.algo, *(a for a, t in c.trials.items() if t.time_ms is not None)})
+        return total
+
     def step_ms(self, block: int, algo: int, n: int) -> float:
         """Estimated ms per step for ``n`` sequences (linear beyond the biggest bucket)."""
         choice = self._by_bucket[block][self.bucket_for(n)]
@@ -199,9 +209,12 @@ def plan(table: AlgoTable, batch: int, steps: int, lengths: np.ndarray, pad_ok: 
         padded_cost = sum(table.step_ms(k, a, batch) for k, a in enumerate(algos)) * steps
         options.append((padded_cost, [Group(None, batch, steps, algos, True, table.seq_major_for(batch))]))
     values, inverse = np.unique(lengths, return_inverse=True)
-    if values.size > MAX_GROUPS and table.forced is None:
-        # At least one group per distinct length: too many groups, whatever their sizes.
-        return min(options, key=lambda o: o[0])[1]
+    if table.forced is None:
+        # At least one group per distinct length, none faster per step than the fastest bucket: when even
+        # that bound loses, building the groups (Python work per group on every ragged call) is skipped.
+        bound = table.min_step_ms * float(values.sum()) + GROUP_OVERHEAD_MS * values.size
+        if values.size > MAX_GROUPS or bound >= min(cost for cost, _ in options):
+            return min(options, key=lambda o: o[0])[1]
     groups: list[Group] = []
     cost = 0.0
     for i, length in enumerate(values):

@@ -21,7 +21,7 @@ every dtype; they are compiled once per process (:func:`warm`).
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -151,11 +151,13 @@ def swap01(cp: Any, a: Any) -> Any:
 
 
 def gather_rows(cp: Any, parts: Sequence[Any | None], counts: Sequence[int], layers: int, width: int,
-                dtype: Any) -> Any | None:
+                dtype: Any, upload: Callable[[np.ndarray], Any] | None = None) -> Any | None:
     """Sequence-major [layers, N, width] from per-part batch-first [n_p, layers, width] device arrays.
 
     ``None`` parts (``counts[p]`` sequences each) give zeros. Returns None when some part's
     rows are not contiguous [layers, width] blocks in ``dtype``, for the caller's generic path.
+    ``upload`` moves the uint64 pointer array to the device (default ``cp.asarray``; the engine
+    passes its pinned staging, which costs less host time).
     """
     dtype = np.dtype(dtype)
     ptrs: list[int] = []
@@ -174,7 +176,8 @@ def gather_rows(cp: Any, parts: Sequence[Any | None], counts: Sequence[int], lay
         return out
     w = _width(width * dtype.itemsize, out.data.ptr, *(p for p in ptrs if p))
     r = width * dtype.itemsize // w
-    dev_ptrs = cp.asarray(np.asarray(ptrs, dtype=np.uint64))
+    host_ptrs = np.asarray(ptrs, dtype=np.uint64)
+    dev_ptrs = upload(host_ptrs) if upload is not None else cp.asarray(host_ptrs)
     total = layers * total_n * r
     _kernels(cp)[f"gather_{w}"]((_grid(total),), (_THREADS,),
                                 (dev_ptrs, out, np.int64(layers), np.int64(total_n), np.int64(r)))

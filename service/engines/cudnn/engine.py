@@ -124,6 +124,7 @@ class CudnnEngine(Engine):
             with self._ctx.device, self._ctx.stream:
                 self._conv = Converter(cp, self.precision)
                 self._staging = HostStaging(cp)
+                self._pointer_staging = HostStaging(cp)  # stream state pointers: see gather_states
                 self._blocking_sync = blocking_sync
                 self._prec = self._build_runners(BlockRunner, prec, force_per_matrix_upload)
                 steps = max(1, int(tune_steps))
@@ -327,11 +328,11 @@ class CudnnEngine(Engine):
         """Inputs in, blocks run (and the many-to-one rows picked): (y, hy, cy, out_dtype) on the device."""
         x, b, t, lens, out_dtype = self._check(x, lengths, h0, c0)
         pad_ok = self.spec.causal and not states_needed  # padding after a sequence cannot change it
-        x_d, h0_d, c0_d = self._inputs(x, h0, c0)
+        x_d, h0_d, c0_d, lens_d = self._inputs(x, h0, c0, lens, t)
         y, hy, cy, _, _ = self._run(x_d, b, t, lens, lengths is None, self._block_views(h0_d, c0_d), pad_ok,
-                                    zero_padding=not last_only)
+                                    zero_padding=not last_only, ragged_lens=lens_d)
         if last_only:
-            y = self._last(y, b, t, lens)
+            y = self._last(y, b, t, lens, lens_d)
         return y, hy, cy, out_dtype
 
     def forward_blocks(self, x: Any, lengths: Any = None,
@@ -353,11 +354,11 @@ class CudnnEngine(Engine):
             check_block_states(self.spec, states, b)
         cp, conv = self._cp, self._conv
         with self._lock, self._ctx.device, self._ctx.stream:
-            x_d, _, _ = self._inputs(x, None, None)
+            x_d, _, _, lens_d = self._inputs(x, None, None, lens, t)
             views = None
             if states is not None:
                 views = [tuple(None if a is None else conv.to_store(self._seq_major(a)) for a in st) for st in states]
-            y, _, _, hys, cys = self._run(x_d, b, t, lens, lengths is None, views)
+            y, _, _, hys, cys = self._run(x_d, b, t, lens, lengths is None, views, ragged_lens=lens_d)
             finals = [tuple(None if a is None else swap01(cp, conv.from_store(a, out_dtype)) for a in st)
                       for st in zip(hys, cys)]
             launched = self._download(y, None, None, out_dtype, False)
@@ -373,6 +374,10 @@ class CudnnEngine(Engine):
         """
         self._ensure_open()
         cp = self._cp
+
+        def upload(ptrs: np.ndarray) -> Any:
+            return self._pointer_staging.upload([(ptrs, ptrs.dtype)], self._ctx.stream)[0]
+
         with self._lock, self._ctx.device, self._ctx.stream:
             out: list[BlockState] = []
             for k, blk in enumerate(self.spec.blocks):
@@ -382,7 +387,7 @@ class CudnnEngine(Engine):
                     got = None
                     if width is not None:
                         arrays = [None if part is None else part[k][which] for part in parts]
-                        got = gather_rows(cp, arrays, counts, blk.pseudo_layers, width, np.float32)
+                        got = gather_rows(cp, arrays, counts, blk.pseudo_layers, width, np.float32, upload)
                         if got is None:
                             return gather_block_states(self.spec, parts, counts, cp)
                         got = got.transpose(1, 0, 2)
@@ -447,12 +452,13 @@ class CudnnEngine(Engine):
                 cys.append(None)
         return hy, cy, hys, cys
 
-    def _run(self, x_d, b, t, lens, uniform_lengths, states, pad_ok=False, zero_padding=True):
+    def _run(self, x_d, b, t, lens, uniform_lengths, states, pad_ok=False, zero_padding=True, ragged_lens=None):
         """Plan and run one call; returns (y, hy, cy, hys, cys): whole states (or None) and per-block views.
 
         ``pad_ok``: the plan may run a ragged batch at the full ``t`` for every sequence; the
         outputs past each length are then zeroed (unless not ``zero_padding``: the caller reads
-        none of them) and the final states are not valid (all None).
+        none of them) and the final states are not valid (all None). ``ragged_lens``: ``lens``
+        as int32 on the device, when the caller has uploaded them already.
         """
         cp = self._cp
         key = (b, t)
@@ -468,13 +474,15 @@ class CudnnEngine(Engine):
                 lens_key, lens_host, lens_dev = self._uniform(b, t)
             else:
                 lens_host = lens.astype(np.int32)
-                lens_key, lens_dev = (b, t, lens_host.tobytes()), cp.asarray(lens_host)
+                lens_key = (b, t, lens_host.tobytes())
+                lens_dev = ragged_lens if ragged_lens is not None else cp.asarray(lens_host)
             y, _, _ = self._run_blocks(x_d, b, t, lens_key, lens_host, lens_dev, states, g.algos, g.seq_major,
                                        (hys, cys))
             if g.uniform and int(lens.min()) < t:  # a padded run: see the docstring
                 if not zero_padding:
                     return y, None, None, None, None
-                keep = cp.arange(t, dtype=cp.int32)[None, :] < cp.asarray(lens.astype(np.int32))[:, None]
+                dev_lens = ragged_lens if ragged_lens is not None else cp.asarray(lens.astype(np.int32))
+                keep = cp.arange(t, dtype=cp.int32)[None, :] < dev_lens[:, None]
                 y *= keep[:, :, None]
                 return y, None, None, None, None
         else:
@@ -482,7 +490,7 @@ class CudnnEngine(Engine):
         return y, hy, cy, hys, cys
 
 
-    def _last(self, y, b, t, lens):
+    def _last(self, y, b, t, lens, lens_dev=None):
         """Each sequence's many-to-one output row [b, F] of ``y`` (storage dtype), on the device."""
         last = self.spec.blocks[-1]
         if last.variant.get("reverse"):
@@ -493,26 +501,35 @@ class CudnnEngine(Engine):
             forward_cols = int(y.shape[2])
         if int(lens.min()) == t:
             lens_dev = self._uniform(b, t)[2]
-        else:
+        elif lens_dev is None:
             lens_dev = self._cp.asarray(lens.astype(np.int32))
         return last_steps(self._cp, y, lens_dev, forward_cols)
 
-    def _inputs(self, x, h0, c0):
+    def _inputs(self, x, h0, c0, lens, t):
+        """x, h0, c0 and (for a ragged batch) the int32 lengths on the device: (x, h0, c0, lens or None).
+
+        Host inputs go up in one staged copy, the lengths with them (CuPy's asarray of a small
+        array cost more host time than the copy of x).
+        """
         cp, conv = self._cp, self._conv
         if isinstance(x, cp.ndarray):
             states = [None if s is None else conv.to_store(self._seq_major(s)) for s in (h0, c0)]
-            return conv.to_store(x), states[0], states[1]
+            return conv.to_store(x), states[0], states[1], None
+        ragged = int(lens.min()) < t
         staged = [(x, conv.staging_dtype(x.dtype))]
         for s in (h0, c0):
             if s is not None:
                 s = s.get() if hasattr(s, "get") else np.asarray(s)
                 staged.append((s.transpose(1, 0, 2), conv.staging_dtype(s.dtype)))
+        if ragged:
+            staged.append((lens.astype(np.int32), np.dtype(np.int32)))
         dev = self._staging.upload(staged, self._ctx.stream)
+        lens_d = dev.pop() if ragged else None
         dev = [conv.to_store(a) for a in dev]
         x_d = dev.pop(0)
         h0_d = dev.pop(0) if h0 is not None else None
         c0_d = dev.pop(0) if c0 is not None else None
-        return x_d, h0_d, c0_d
+        return x_d, h0_d, c0_d, lens_d
 
     def _uniform(self, n: int, t: int):
         hit = self._uniform_lengths.get((n, t))
