@@ -54,7 +54,7 @@ class ServeSettings(BaseSettings):
     frontends: int = Field(
         1, ge=1, le=64,
         description="HTTP/gRPC front-end processes. 1 serves everything in one process; N > 1 starts N processes "
-                    "that share the ports and forward decoded requests to this one, which runs the engines, "
+                    "that share the ports, validate requests and forward them to this one, which runs the engines, "
                     "batching and streams (one Python process serves ~2,000-4,000 requests/s).",
     )
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field(

@@ -3,7 +3,7 @@
 One Python process tops out near 2,000-4,000 requests/s in HTTP and gRPC parsing and
 encoding (measured on an H200 host, where the cuDNN engine had room for far more), so
 ``rnnserve serve --frontends N`` runs N front-end processes that share the HTTP and
-gRPC ports (SO_REUSEPORT) and forward decoded requests to the engine process, which
+gRPC ports (SO_REUSEPORT) and forward validated requests to the engine process, which
 runs the one real :class:`~service.dataplane.DataPlane` (engines, batching, streams,
 metrics). Requests from every front-end batch together, and a stream's state lives in
 the engine process whichever front-end its chunks arrive at.
