@@ -1,0 +1,92 @@
+"""Host and GPU time of one stream batch, per cuDNN algorithm: where a small batch's time goes.
+
+Builds the streaming scenario's LSTM (bench/serve.py: I=40, H=256, 2 layers), gathers
+N streams' states and runs one 10-step chunk each (``gather_states`` + ``launch_blocks``,
+what the scheduler does for a batch of stream chunks), with each algorithm forced in
+turn and with the autotuner's choice. Columns: host ms (the calls' own time on the
+calling thread, which in the server is the event loop), wall ms (until the outputs are
+on the host), GPU ms (CUDA events around the same calls). Medians over --reps calls.
+
+    python bench/stream_batch.py --device cuda
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,4,8,16,32")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--reps", type=int, default=100)
+    args = p.parse_args()
+    import cupy as cp
+
+    import serve
+    from service.engines.cudnn import CudnnEngine
+    from service.errors import EngineUnavailable
+    from service.repository import load_model
+
+    tmp = tempfile.TemporaryDirectory()
+    repo = Path(tmp.name)
+    serve.write_stream_model(repo, 40, 256, 2)
+    model = load_model(repo / "bench_stream")
+    rng = np.random.default_rng(0)
+    batches = [int(b) for b in args.batches.split(",")]
+    print(f"stream batch: LSTM I=40 H=256 L=2, T={args.steps}, states from the previous chunk, median of {args.reps}")
+    print("| algorithm | B | chosen | host ms | wall ms | GPU ms |")
+    print("|---|--:|---|--:|--:|--:|")
+    for algorithm in (None, "standard", "persist_static", "persist_dynamic"):
+        try:
+            engine = CudnnEngine(model, algorithm=algorithm, max_batch_size=max(batches), blocking_sync=True)
+        except EngineUnavailable as exc:
+            print(f"| {algorithm} | - | refused: {exc} | | | |")
+            continue
+        try:
+            for n in batches:
+                x = rng.standard_normal((n, args.steps, 40)).astype(np.float32)
+                _, finals = engine.forward_blocks(x[:1])
+                parts = [finals] * n
+                host, wall, gpu = [], [], []
+                for _ in range(args.reps):
+                    start, end = cp.cuda.Event(), cp.cuda.Event()
+                    t0 = time.perf_counter()
+                    start.record(engine._ctx.stream)
+                    states = engine.gather_states(parts, [1] * n)
+                    launched = engine.launch_blocks(x, None, states)
+                    end.record(engine._ctx.stream)
+                    t1 = time.perf_counter()
+                    launched.wait()
+                    launched.finish()
+                    t2 = time.perf_counter()
+                    host.append(t1 - t0)
+                    wall.append(t2 - t0)
+                    gpu.append(cp.cuda.get_elapsed_time(start, end) / 1000)
+                algos = engine._table.algos_for(n)
+                chosen = "/".join(sorted({name for name, a in _names().items() if a in algos}))
+                print(f"| {algorithm or 'autotuned'} | {n} | {chosen} | {1e3 * statistics.median(host):.3f} | "
+                      f"{1e3 * statistics.median(wall):.3f} | {1e3 * statistics.median(gpu):.3f} |", flush=True)
+        finally:
+            engine.close()
+    return 0
+
+
+def _names() -> dict[str, int]:
+    from service.engines.cudnn.library import ALGO_BY_NAME
+
+    return ALGO_BY_NAME
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
