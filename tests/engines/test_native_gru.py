@@ -77,18 +77,6 @@ def test_one_step(bidir):
 
 
 @needs_kernel
-@pytest.mark.parametrize("hidden,batch", [(128, 1), (128, 16), (512, 64)])
-def test_kernel_at_benchmark_sizes(hidden, batch):
-    """The benchmark's shapes (both threads where the rule picks two, full 8-row tiles) over 100 steps."""
-    mod = torch_module("gru", hidden, hidden, 2, False)
-    x = np.random.default_rng(3).standard_normal((batch, 100, hidden)).astype(np.float32)
-    lengths = np.full(batch, 100)
-    lengths[-1] = 37
-    out = create_engine(packed_from_torch(mod, "gru"), "cpu").forward(x, lengths)
-    assert_close(out, *run_torch(mod, "gru", x, lengths, None, None))
-
-
-@needs_kernel
 def test_lstm_then_gru_blocks_both_native():
     lstm = torch_module("lstm", 7, 20, 1, True, seed=3)
     gru = torch_module("gru", 40, 6, 2, False, seed=4)

@@ -60,15 +60,17 @@ def test_kernel_matches_torch_and_numpy(shape, layers, bidir, init):
 
 
 @needs_kernel
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
 @pytest.mark.parametrize("hidden,batch", [(128, 1), (128, 16), (512, 64)])
-def test_kernel_at_benchmark_sizes(hidden, batch):
-    """The benchmark's shapes (both threads, full 6-row tiles) over 100 steps."""
-    mod = torch_module("lstm", hidden, hidden, 2, False)
+def test_kernel_at_benchmark_sizes(cell, hidden, batch):
+    """Both kernels at the benchmark's shapes (both threads where the rule picks two, full tiles: 6 rows for
+    LSTM, 8 for GRU) over 100 steps."""
+    mod = torch_module(cell, hidden, hidden, 2, False)
     x = np.random.default_rng(3).standard_normal((batch, 100, hidden)).astype(np.float32)
     lengths = np.full(batch, 100)
     lengths[-1] = 37
-    out = create_engine(packed_from_torch(mod, "lstm"), "cpu").forward(x, lengths)
-    assert_close(out, *run_torch(mod, "lstm", x, lengths, None, None))
+    out = create_engine(packed_from_torch(mod, cell), "cpu").forward(x, lengths)
+    assert_close(out, *run_torch(mod, cell, x, lengths, None, None))
 
 
 @needs_kernel

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch_models import MODULES, packed_from_torch, torch_module  # noqa: E402
+from torch_models import MODULES, packed_from_torch, run_torch, torch_module  # noqa: E402
 
 from service import create_engine  # noqa: E402
 from service.errors import InvalidInput  # noqa: E402
@@ -17,21 +17,6 @@ from service.repository import PackedModel  # noqa: E402
 from service.spec import RNNSpec  # noqa: E402
 
 torch.set_num_threads(1)
-
-
-def run_torch(mod, cell, x, lengths, h0, c0):
-    packed = torch.nn.utils.rnn.pack_padded_sequence(x, torch.as_tensor(lengths), batch_first=True,
-                                                     enforce_sorted=False)
-    state = None
-    if h0 is not None:
-        state = (h0.transpose(0, 1).contiguous(), c0.transpose(0, 1).contiguous()) if cell == "lstm" \
-            else h0.transpose(0, 1).contiguous()
-    with torch.no_grad():
-        y, hn = mod(packed, state)
-    y, _ = torch.nn.utils.rnn.pad_packed_sequence(y, batch_first=True, total_length=x.shape[1])
-    if cell == "lstm":
-        return y.numpy(), hn[0].transpose(0, 1).numpy(), hn[1].transpose(0, 1).numpy()
-    return y.numpy(), hn.transpose(0, 1).numpy(), None
 
 
 CASES = [
@@ -52,9 +37,7 @@ def test_matches_torch(cell, layers, bidir, ragged, init):
     h0 = rng.standard_normal((b, rows, 13)).astype(np.float32) if init else None
     c0 = rng.standard_normal((b, rows, 13)).astype(np.float32) if init and cell == "lstm" else None
     for dtype, tol in ((np.float64, 1e-10), (np.float32, RTOL)):
-        tmod = mod.double() if dtype == np.float64 else mod.float()
-        cast = (lambda a: None if a is None else torch.from_numpy(a.astype(dtype)))  # noqa: E731
-        y, hn, cn = run_torch(tmod, cell, cast(x), lengths, cast(h0), cast(c0) if c0 is not None else cast(h0))
+        y, hn, cn = run_torch(mod, cell, x, lengths, h0, c0, dtype)
         out = create_engine(model, "cpu", dtype=dtype).forward(x.astype(dtype), lengths, h0, c0)
         atol = 1e-10 if dtype == np.float64 else ATOL
         np.testing.assert_allclose(out.output, y, rtol=tol, atol=atol)
@@ -73,7 +56,7 @@ def test_projection_batch1_and_odd_batch(bidir):
     rng = np.random.default_rng(2)
     for b, lengths in ((1, [1]), (1, [8]), (3, [8, 2, 5])):
         x = rng.standard_normal((b, 8, 7))
-        y, hn, cn = run_torch(mod, "lstm", torch.from_numpy(x), np.array(lengths), None, None)
+        y, hn, cn = run_torch(mod, "lstm", x, np.array(lengths), None, None)
         out = create_engine(model, "cpu", dtype=np.float64).forward(x, np.array(lengths))
         assert out.output.shape == (b, 8, (2 if bidir else 1) * 5) and out.h_n.shape[2] == 5 and out.c_n.shape[2] == 13
         np.testing.assert_allclose(out.output, y, rtol=1e-10, atol=1e-12)
@@ -88,8 +71,8 @@ def test_multi_block_model_runs_blocks_in_order():
     model = PackedModel(RNNSpec(a.spec.blocks + b.spec.blocks), a.weights + b.weights)
     x = np.random.default_rng(5).standard_normal((4, 6, 7))
     lengths = np.array([6, 3, 1, 5])
-    y1, hn1, cn1 = run_torch(lstm, "lstm", torch.from_numpy(x), lengths, None, None)
-    y2, hn2, _ = run_torch(gru, "gru", torch.from_numpy(y1), lengths, None, None)
+    y1, hn1, cn1 = run_torch(lstm, "lstm", x, lengths, None, None)
+    y2, hn2, _ = run_torch(gru, "gru", y1, lengths, None, None)
     out = create_engine(model, "cpu", dtype=np.float64).forward(x, lengths)
     np.testing.assert_allclose(out.output, y2, rtol=1e-10, atol=1e-12)
     assert out.h_n is None  # blocks have different state widths (13 vs 6): no single state tensor

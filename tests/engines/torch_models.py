@@ -40,18 +40,19 @@ def packed_from_torch(mod, cell: str, variant: dict | None = None) -> PackedMode
     return PackedModel(RNNSpec((spec,)), [pack_block(spec, layers, np.float64)])
 
 
-def run_torch(mod, cell: str, x: np.ndarray, lengths: np.ndarray, h0: np.ndarray | None, c0: np.ndarray | None):
-    """float64 torch on a packed sequence: the exact answer a float32 engine is held to.
+def run_torch(mod, cell: str, x: np.ndarray, lengths: np.ndarray, h0: np.ndarray | None, c0: np.ndarray | None,
+              dtype: type = np.float64):
+    """torch on a packed sequence, in ``dtype`` (float64 by default: the exact answer a float32 engine is held to).
 
     ``x`` [B, T, in]; ``h0``/``c0`` [B, L*D, H] (rnnserve's batch-major states) or None.
     Returns (output [B, T, D*Ho], h_n [B, L*D, Ho], c_n or None)."""
-    mod = mod.double()
-    packed = torch.nn.utils.rnn.pack_padded_sequence(torch.from_numpy(x.astype(np.float64)), torch.as_tensor(lengths),
+    mod = mod.double() if dtype == np.float64 else mod.float()
+    packed = torch.nn.utils.rnn.pack_padded_sequence(torch.from_numpy(x.astype(dtype)), torch.as_tensor(lengths),
                                                      batch_first=True, enforce_sorted=False)
     state = None
     if h0 is not None:
-        h = torch.from_numpy(h0.astype(np.float64)).transpose(0, 1).contiguous()
-        state = (h, torch.from_numpy(c0.astype(np.float64)).transpose(0, 1).contiguous()) if cell == "lstm" else h
+        h = torch.from_numpy(h0.astype(dtype)).transpose(0, 1).contiguous()
+        state = (h, torch.from_numpy(c0.astype(dtype)).transpose(0, 1).contiguous()) if cell == "lstm" else h
     with torch.no_grad():
         y, hn = mod(packed, state)
     y, _ = torch.nn.utils.rnn.pad_packed_sequence(y, batch_first=True, total_length=x.shape[1])
