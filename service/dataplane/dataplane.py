@@ -211,7 +211,7 @@ class DataPlane:
             if not state.ended:
                 state.states = work.states_out
                 state.last_used = time.monotonic()
-            self.metrics.stream_chunk_timesteps.labels(model=served.name, version=served.label).observe(work.steps)
+            self._bound("chunk_steps", served.name, served.label).observe(work.steps)
             if stream.end:
                 store.close(state)
         return results
@@ -235,6 +235,8 @@ class DataPlane:
         if series is None:
             if kind == "requests":
                 series = self.metrics.requests.labels(model=model, version=version, outcome=outcome)
+            elif kind == "chunk_steps":
+                series = self.metrics.stream_chunk_timesteps.labels(model=model, version=version)
             else:
                 series = self.metrics.request_duration.labels(model=model, version=version)
             self._series[key] = series
