@@ -96,8 +96,8 @@ class Scheduler:
         self._task: asyncio.Task | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._labels = {"model": model, "version": version}
-        # Batches in flight: a GPU engine takes the next batch while the event loop is still answering
-        # the last one's requests (its own lock keeps engine calls in order, one at a time).
+        # Batches in flight: a GPU engine launches the next batch while the last one still runs (its
+        # stream keeps them in order) or while the event loop is still answering the last one's requests.
         self._inflight = max(1, int(getattr(engine, "concurrent_batches", 1)))
         self._turn = threading.Lock()
         self._busy_until = 0.0
