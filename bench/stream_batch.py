@@ -73,7 +73,7 @@ def main() -> int:
                     host.append(t1 - t0)
                     wall.append(t2 - t0)
                     gpu.append(cp.cuda.get_elapsed_time(start, end) / 1000)
-                algos = engine._table.algos_for(n)
+                algos = engine._table.algos_for(n, args.steps)
                 chosen = "/".join(sorted({name for name, a in _names().items() if a in algos}))
                 print(f"| {algorithm or 'autotuned'} | {n} | {chosen} | {1e3 * statistics.median(host):.3f} | "
                       f"{1e3 * statistics.median(wall):.3f} | {1e3 * statistics.median(gpu):.3f} |", flush=True)

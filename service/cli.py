@@ -84,9 +84,13 @@ def _print_engine(info: dict) -> None:
     print(f"\nengine: {', '.join(f'{k}={v}' for k, v in rest.items() if not isinstance(v, (list, dict)))}")
     layouts = {row.get("bucket"): row.get("layout") for row in info.get("layouts") or []}
     for block in algos:
-        print(f"  block {block.get('block')}: {'bucket':>6}  {'algorithm':<24}{'ms (T=tune steps)':>18}  io layout")
+        short, long = block.get("steps", "?"), block.get("long_steps", "?")
+        print(f"  block {block.get('block')}: {'bucket':>6}  {'algorithm at T=' + str(short):<24}{'ms':>9}  "
+              f"{'algorithm at T=' + str(long):<24}{'ms':>9}  io layout")
         for row in block.get("buckets", []):
-            print(f"  {'':9}{row.get('bucket'):>6}  {row.get('algo'):<24}{row.get('time_ms', 0):>18.4f}  "
+            long_ms = row.get("long_ms")
+            print(f"  {'':9}{row.get('bucket'):>6}  {row.get('algo'):<24}{row.get('time_ms') or 0:>9.4f}  "
+                  f"{row.get('algo_long', '-'):<24}{'-' if long_ms is None else f'{long_ms:.4f}':>9}  "
                   f"{layouts.get(row.get('bucket'), '-')}")
 
 

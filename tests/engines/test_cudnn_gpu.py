@@ -15,7 +15,6 @@ import pytest
 
 from service.engines import create_engine
 from service.engines.cudnn import CudnnEngine
-from service.engines.cudnn.autotune import AlgoTable, BucketChoice, Trial, batch_buckets, plan
 from service.engines.cudnn.library import ALGO_NAMES, RELEASES_GIL, load_library
 from service.engines.reference import ReferenceEngine
 from service.errors import EngineUnavailable, InvalidInput, RNNServeError
@@ -314,8 +313,11 @@ def test_autotune_describe_and_buckets():
         print(info)
         buckets = info["algorithms"][0]["buckets"]
         assert [b["bucket"] for b in buckets] == [1, 2, 4, 8, 16, 32, 64]
+        assert info["algorithms"][0]["long_steps"] == 4 * info["algorithms"][0]["steps"]
         for b in buckets:
             assert b["algo"] in ALGO_NAMES.values() and b["time_ms"] > 0
+            assert b["algo_long"] in ALGO_NAMES.values() and b["long_ms"] > 0
+            assert all(t["long_ms"] > 0 for t in b["tried"] if "time_ms" in t)  # every usable trial has its line
         assert info["weights_upload"][0]["mode"] == "single copy"
         assert [b["layout"] for b in info["layouts"]] and all(
             b["layout"] in ("batch_major", "seq_major") and "batch_major_ms" in b for b in info["layouts"])
@@ -561,70 +563,6 @@ def test_library_search_names_everything_tried(tmp_path):
     assert "RNNSERVE_CUDNN_LIBRARY" in msg
 
 
-def test_batch_buckets():
-    assert batch_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
-    assert batch_buckets(100) == (1, 2, 4, 8, 16, 32, 64, 100)
-    assert batch_buckets(1) == (1,)
-    assert batch_buckets(64, [8, 1, 256]) == (1, 8, 256)
-
-
-def _table(fast_persistent: bool, buckets=(1, 2, 4, 8), forced=None) -> AlgoTable:
-    per = []
-    for b in buckets:
-        std = Trial(0, time_ms=10.0 + b)
-        pst = Trial(1, time_ms=(2.0 if fast_persistent else 50.0) * b)
-        algo = 1 if fast_persistent and pst.time_ms < std.time_ms else 0
-        per.append(BucketChoice(b, algo, min(std.time_ms, pst.time_ms), {0: std, 1: pst}))
-    return AlgoTable(tuple(buckets), [per], steps=10, forced=forced)
-
-
-def test_plan_uniform_batch_uses_its_bucket_choice():
-    groups = plan(_table(True), 3, 10, np.full(3, 10))
-    assert len(groups) == 1 and groups[0].rows is None and groups[0].algos == (1,)
-
-
-def test_plan_ragged_without_persistent_is_one_standard_call():
-    groups = plan(_table(False), 5, 10, np.array([10, 3, 1, 10, 7]))
-    assert len(groups) == 1 and groups[0].rows is None and groups[0].algos == (0,) and not groups[0].uniform
-
-
-def test_plan_ragged_splits_when_groups_are_cheaper():
-    lengths = np.array([10, 10, 4, 10])
-    groups = plan(_table(True), 4, 10, lengths)
-    assert sorted((g.n, g.steps) for g in groups) == [(1, 4), (3, 10)]
-    covered = np.zeros(4, int)
-    for g in groups:
-        covered[np.arange(4)[g.rows]] += 1
-        assert np.all(lengths[np.arange(4)[g.rows]] == g.steps)
-    assert np.all(covered == 1)
-
-
-def test_plan_large_batch_is_cut_into_biggest_buckets():
-    groups = plan(_table(True), 20, 10, np.full(20, 10))
-    if len(groups) > 1:
-        assert all(g.n <= 8 for g in groups) and sum(g.n for g in groups) == 20
-
-
-@pytest.mark.parametrize("fast_persistent", [False, True])
-@pytest.mark.parametrize("pad_ok", [False, True])
-def test_plan_pruning_never_changes_the_choice(fast_persistent, pad_ok):
-    """The lower bound that skips building groups only skips plans that would lose anyway."""
-    rng = np.random.default_rng(5)
-    pruned, exhaustive = _table(fast_persistent), _table(fast_persistent)
-    exhaustive.__dict__["min_step_ms"] = -1e9  # a bound that never prunes
-    for _ in range(300):
-        b = int(rng.integers(1, 12))
-        lengths = rng.integers(1, 11, size=b) if rng.random() < 0.5 else rng.choice([3, 10], size=b)
-        want = plan(exhaustive, b, 10, lengths, pad_ok)
-        got = plan(pruned, b, 10, lengths, pad_ok)
-        assert [(g.n, g.steps, g.algos, g.uniform) for g in got] == [(g.n, g.steps, g.algos, g.uniform) for g in want]
-
-
-def test_plan_forced_algorithm_always_splits_ragged_batches():
-    groups = plan(_table(True, forced=1), 3, 10, np.array([10, 2, 10]))
-    assert len(groups) == 2
-
-
 def _keeps_gil(fn) -> bool:
     return bool(getattr(fn, "_flags_", 0) & ctypes._FUNCFLAG_PYTHONAPI)
 
@@ -652,28 +590,6 @@ def test_blocking_sync_gives_the_same_results():
     np.testing.assert_array_equal(a.output, b.output)
     np.testing.assert_array_equal(a.h_n, b.h_n)
     check_all(b, reference_run(model, x, lengths))
-
-
-def _flat_persistent_table(buckets=(1, 2, 4, 8)) -> AlgoTable:
-    # persistent kernels cost the same at every batch size here (launch-bound), STANDARD grows
-    per = []
-    for b in buckets:
-        std, pst = Trial(0, time_ms=10.0 + b), Trial(1, time_ms=3.0)
-        per.append(BucketChoice(b, 1, 3.0, {0: std, 1: pst}))
-    return AlgoTable(tuple(buckets), [per], steps=10)
-
-
-def test_plan_pads_a_ragged_batch_only_when_allowed_and_cheaper():
-    lengths = np.arange(10, 2, -1)  # 8 distinct lengths
-    padded = plan(_flat_persistent_table(), 8, 10, lengths, pad_ok=True)
-    assert len(padded) == 1 and padded[0].rows is None and padded[0].uniform and padded[0].algos == (1,)
-    assert padded[0].steps == 10 and padded[0].n == 8
-    not_allowed = plan(_flat_persistent_table(), 8, 10, lengths)
-    assert not (len(not_allowed) == 1 and not_allowed[0].uniform)
-    # where a bigger batch costs more, one long and many short sequences are cheaper as groups
-    skewed = np.array([10, 1, 1, 1, 1, 1, 1, 1])
-    groups = plan(_table(True), 8, 10, skewed, pad_ok=True)
-    assert len(groups) == 2
 
 
 @gpu

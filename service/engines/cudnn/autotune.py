@@ -1,11 +1,17 @@
 """Choosing a cuDNN RNN algorithm per batch-size bucket, and planning each call.
 
 At load the engine times every algorithm cuDNN accepts for each block and each
-batch bucket (1, 2, 4, ... up to max_batch_size) on ``steps`` (default 50) steps of
-random data, and keeps the fastest. An algorithm is used only if it also
-reproduces STANDARD's output on that data (a silently wrong kernel is worse than a
-slow one), and a persistent algorithm must beat STANDARD by 5% to be chosen, since
-it comes with constraints (below). PERSIST_DYNAMIC is compiled for one exact batch
+batch bucket (1, 2, 4, ... up to max_batch_size) at two sequence lengths, ``steps``
+(default 50) and ``4 * steps``, on random data. From the two times each algorithm
+gets a cost line, fixed ms + ms per step, and every call uses the algorithm whose
+line is lowest at the call's own length. One length is not enough: STANDARD has a
+large fixed part (it pipelines the input GEMMs and the layers), persistent kernels a
+small fixed part and a steeper slope at large batches, so a persistent kernel that
+won at 50 steps lost at 100 (H200: fp16 GRU H=1024 L=2 B=64, 1.75 vs 2.61 ms at 50
+steps, 3.40 vs 2.99 ms at 100). An algorithm is used only if it also reproduces
+STANDARD's output (a silently wrong kernel is worse than a slow one), and a
+persistent algorithm must beat STANDARD by 5% at that length to be chosen, since it
+comes with constraints (below). PERSIST_DYNAMIC is compiled for one exact batch
 size, so a batch that is not exactly its bucket uses the bucket's best other
 algorithm.
 
@@ -21,8 +27,7 @@ larger than the biggest bucket, :func:`plan` decides between
   steps in one launch, where STANDARD launches kernels per step (at H=128 and 200 steps
   ~2 ms of host time per call, measured on an H200),
 
-by estimating each from the measured per-step times (time per step scales with
-the steps run; groups pay a fixed gather/scatter cost each). With typical ragged
+by estimating each from the cost lines (groups pay a fixed gather/scatter cost each). With typical ragged
 traffic (many distinct lengths) the whole-batch STANDARD call wins; equal-length
 groups win when a few lengths repeat, e.g. a streaming client's fixed chunks.
 """
@@ -39,6 +44,7 @@ from . import library as L
 PERSISTENT_MARGIN = 0.95      # a persistent algorithm must take < 95% of STANDARD's time
 GROUP_OVERHEAD_MS = 0.03      # gather + scatter + launches per equal-length group (estimate)
 MAX_GROUPS = 32
+LONG_FACTOR = 4               # the second tuning length is this many times the first
 
 
 def batch_buckets(max_batch_size: int, buckets: tuple[int, ...] | list[int] | None = None) -> tuple[int, ...]:
@@ -59,17 +65,54 @@ def batch_buckets(max_batch_size: int, buckets: tuple[int, ...] | list[int] | No
 
 @dataclass
 class Trial:
-    """One algorithm at one bucket: its median time, or why it was not usable."""
+    """One algorithm at one bucket: its median times at the two tuning lengths, or why it was not usable.
+
+    ``time_ms`` is at the table's ``steps``, ``long_ms`` (when timed) at ``long_steps``.
+    """
 
     algo: int
     time_ms: float | None = None
     error: str | None = None
     build_ms: float | None = None
+    long_ms: float | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.time_ms is not None and not self.error
+
+    def cost_ms(self, steps: int, short: int, long: int) -> float:
+        """Estimated ms for ``steps`` steps from the timings at ``short`` and ``long`` steps.
+
+        The line through both timings; where that line would cross zero before ``short`` steps,
+        the line through the origin and the first timing below ``short``; a flat cost when noise
+        made the longer run faster. Proportional to the steps when only one length was timed.
+        """
+        if self.long_ms is None or long <= short:
+            return self.time_ms * steps / short
+        slope = (self.long_ms - self.time_ms) / (long - short)
+        if slope <= 0.0:
+            return self.time_ms
+        fixed = self.time_ms - slope * short
+        if fixed < 0.0 and steps < short:
+            return self.time_ms * steps / short
+        return fixed + slope * steps
+
+    def line(self, short: int, long: int) -> tuple[float, float]:
+        """(fixed ms, ms per step) of a line that never exceeds :meth:`cost_ms` at any length >= 0."""
+        if self.long_ms is None or long <= short:
+            return 0.0, self.time_ms / short
+        slope = (self.long_ms - self.time_ms) / (long - short)
+        if slope <= 0.0:
+            return self.time_ms, 0.0
+        fixed = self.time_ms - slope * short
+        return (0.0, self.time_ms / short) if fixed < 0.0 else (fixed, slope)
 
     def to_dict(self) -> dict:
         d = {"algo": L.ALGO_NAMES[self.algo]}
         if self.time_ms is not None:
             d["time_ms"] = round(self.time_ms, 4)
+        if self.long_ms is not None:
+            d["long_ms"] = round(self.long_ms, 4)
         if self.build_ms is not None:
             d["build_ms"] = round(self.build_ms, 1)
         if self.error:
@@ -79,32 +122,60 @@ class Trial:
 
 @dataclass
 class BucketChoice:
-    """The algorithm kept for one (block, bucket), with every trial."""
+    """The algorithm kept for one (block, bucket) at the first tuning length, with every trial.
+
+    ``algo_at`` gives the choice at any other length (see the module docstring).
+    """
 
     bucket: int
     algo: int
     time_ms: float | None
     trials: dict[int, Trial] = field(default_factory=dict)
+    forced: int | None = None
 
-    def to_dict(self) -> dict:
-        return {"bucket": self.bucket, "algo": L.ALGO_NAMES[self.algo],
-                "time_ms": None if self.time_ms is None else round(self.time_ms, 4),
-                "tried": [t.to_dict() for t in self.trials.values()]}
+    def algo_at(self, steps: int, short: int, long: int) -> int:
+        """The usable algorithm with the lowest estimated cost at ``steps`` (persistent ones by the margin)."""
+        ok = {a: t for a, t in self.trials.items() if t.usable}
+        if self.forced is not None and self.forced in ok:
+            return self.forced
+        std = ok.get(L.ALGO_STANDARD)
+        if std is None:
+            return self.algo
+        best, best_cost = L.ALGO_STANDARD, std.cost_ms(steps, short, long)
+        limit = PERSISTENT_MARGIN * best_cost
+        for algo, trial in ok.items():
+            if algo == L.ALGO_STANDARD:
+                continue
+            cost = trial.cost_ms(steps, short, long)
+            if cost < limit and cost < best_cost:
+                best, best_cost = algo, cost
+        return best
+
+    def to_dict(self, short: int | None = None, long: int | None = None) -> dict:
+        d = {"bucket": self.bucket, "algo": L.ALGO_NAMES[self.algo],
+             "time_ms": None if self.time_ms is None else round(self.time_ms, 4)}
+        if short is not None and long is not None:
+            at_long = self.algo_at(long, short, long)
+            d["algo_long"] = L.ALGO_NAMES[at_long]
+            trial = self.trials.get(at_long)
+            d["long_ms"] = None if trial is None or trial.long_ms is None else round(trial.long_ms, 4)
+        d["tried"] = [t.to_dict() for t in self.trials.values()]
+        return d
 
 
 def choose(bucket: int, trials: dict[int, Trial], forced: int | None = None) -> BucketChoice:
-    """Keep the fastest usable trial; persistent ones must beat STANDARD by the margin."""
-    ok = {a: t for a, t in trials.items() if t.time_ms is not None and not t.error}
+    """Keep the fastest usable trial at the first tuning length; persistent ones must beat STANDARD by the margin."""
+    ok = {a: t for a, t in trials.items() if t.usable}
     std = ok.get(L.ALGO_STANDARD)
     if forced is not None and forced in ok:
-        return BucketChoice(bucket, forced, ok[forced].time_ms, trials)
+        return BucketChoice(bucket, forced, ok[forced].time_ms, trials, forced)
     if std is None:
-        return BucketChoice(bucket, L.ALGO_STANDARD, None, trials)
+        return BucketChoice(bucket, L.ALGO_STANDARD, None, trials, forced)
     best = std
     for algo, trial in ok.items():
         if algo != L.ALGO_STANDARD and trial.time_ms < PERSISTENT_MARGIN * std.time_ms and trial.time_ms < best.time_ms:
             best = trial
-    return BucketChoice(bucket, best.algo, best.time_ms, trials)
+    return BucketChoice(bucket, best.algo, best.time_ms, trials, forced)
 
 
 @dataclass(frozen=True)
@@ -120,17 +191,20 @@ class Group:
 
 
 class AlgoTable:
-    """Per block, per bucket: the chosen algorithm and measured times (ms for ``steps`` steps)."""
+    """Per block, per bucket: the trials and their cost lines (ms at ``steps`` and ``long_steps``)."""
 
     def __init__(self, buckets: tuple[int, ...], choices: list[list[BucketChoice]], steps: int,
-                 forced: int | None = None) -> None:
+                 forced: int | None = None, long_steps: int | None = None) -> None:
         self.buckets = buckets
         self.choices = choices
         self.steps = max(1, int(steps))
+        self.long_steps = int(long_steps) if long_steps else self.steps
         self.forced = forced
         self.biggest = buckets[-1]
-        self.any_persistent = any(c.algo != L.ALGO_STANDARD for per in choices for c in per)
+        self.any_persistent = any(t.usable and a != L.ALGO_STANDARD
+                                  for per in choices for c in per for a, t in c.trials.items())
         self._by_bucket = [{c.bucket: c for c in per} for per in choices]
+        self._algos: dict[tuple[int, int], tuple[int, ...]] = {}
         # bucket -> (seq_major chosen, {"batch_major": ms, "seq_major": ms}); batch-major when untimed
         self.layouts: dict[int, tuple[bool, dict[str, float | str]]] = {}
 
@@ -145,43 +219,69 @@ class AlgoTable:
                 return b
         return self.biggest
 
-    def algos_for(self, n: int) -> tuple[int, ...]:
-        """Algorithms for an equal-length batch of ``n`` (n <= biggest bucket)."""
+    def algos_for(self, n: int, steps: int | None = None) -> tuple[int, ...]:
+        """Algorithms for an equal-length batch of ``n`` (n <= biggest bucket) and ``steps`` steps
+        (default: the first tuning length)."""
+        steps = self.steps if steps is None else int(steps)
+        key = (n, steps)
+        hit = self._algos.get(key)
+        if hit is not None:
+            return hit
         bucket = self.bucket_for(n)
         out = []
         for per in self._by_bucket:
             choice = per[bucket]
-            algo = choice.algo
+            algo = choice.algo_at(steps, self.steps, self.long_steps)
             if algo == L.ALGO_PERSIST_DYNAMIC and n != bucket and self.forced != algo:
-                others = [t for a, t in choice.trials.items()
-                          if a != L.ALGO_PERSIST_DYNAMIC and t.time_ms is not None and not t.error]
-                algo = min(others, key=lambda t: t.time_ms).algo if others else L.ALGO_STANDARD
+                others = {a: t for a, t in choice.trials.items() if a != L.ALGO_PERSIST_DYNAMIC and t.usable}
+                algo = (min(others, key=lambda a: others[a].cost_ms(steps, self.steps, self.long_steps))
+                        if others else L.ALGO_STANDARD)
             out.append(algo)
-        return tuple(out)
+        hit = tuple(out)
+        if len(self._algos) > 4096:
+            self._algos.clear()
+        self._algos[key] = hit
+        return hit
+
+    @cached_property
+    def _bounds(self) -> tuple[float, float]:
+        """Lower bounds of any call's fixed ms and ms per step: per block, the least of any bucket and
+        algorithm (a bigger batch than the biggest bucket only costs more)."""
+        fixed = per_step = 0.0
+        for per in self.choices:
+            lines = [t.line(self.steps, self.long_steps) for c in per for t in c.trials.values() if t.usable]
+            if not lines:
+                continue
+            fixed += min(f for f, _ in lines)
+            per_step += min(s for _, s in lines)
+        return fixed, per_step
 
     @cached_property
     def min_step_ms(self) -> float:
-        """A lower bound of any call's ms per step: per block, the fastest time of any bucket and algorithm."""
-        total = 0.0
-        for k, per in enumerate(self.choices):
-            total += min(self.step_ms(k, algo, c.bucket) for c in per
-                         for algo in {c.algo, *(a for a, t in c.trials.items() if t.time_ms is not None)})
-        return total
+        """A lower bound of any call's ms per step (see ``_bounds``)."""
+        return self._bounds[1]
 
-    def step_ms(self, block: int, algo: int, n: int) -> float:
-        """Estimated ms per step for ``n`` sequences (linear beyond the biggest bucket)."""
+    @cached_property
+    def min_fixed_ms(self) -> float:
+        """A lower bound of any call's fixed ms (see ``_bounds``)."""
+        return self._bounds[0]
+
+    def cost_ms(self, block: int, algo: int, n: int, steps: int) -> float:
+        """Estimated ms of ``algo`` on ``n`` sequences of ``steps`` steps (linear beyond the biggest bucket)."""
         choice = self._by_bucket[block][self.bucket_for(n)]
         trial = choice.trials.get(algo)
-        ms = trial.time_ms if trial is not None and trial.time_ms is not None else None
-        if ms is None:
-            ms = choice.time_ms if choice.time_ms is not None else 1.0
-        ms /= self.steps
+        if trial is not None and trial.usable:
+            ms = trial.cost_ms(steps, self.steps, self.long_steps)
+        else:
+            ms = (choice.time_ms if choice.time_ms is not None else 1.0) * steps / self.steps
         if n > self.biggest:
             ms *= n / self.biggest
         return ms
 
     def describe(self) -> list[dict]:
-        return [{"block": k, "buckets": [c.to_dict() for c in per]} for k, per in enumerate(self.choices)]
+        return [{"block": k, "steps": self.steps, "long_steps": self.long_steps,
+                 "buckets": [c.to_dict(self.steps, self.long_steps) for c in per]}
+                for k, per in enumerate(self.choices)]
 
     def describe_layouts(self) -> list[dict]:
         return [{"bucket": b, "layout": "seq_major" if self.seq_major_for(b) else "batch_major",
@@ -198,35 +298,38 @@ def plan(table: AlgoTable, batch: int, steps: int, lengths: np.ndarray, pad_ok: 
     standard = (L.ALGO_STANDARD,) * blocks
     full = bool(lengths.min() == steps)
     if full and batch <= table.biggest:
-        return [Group(None, batch, steps, table.algos_for(batch), True, table.seq_major_for(batch))]
+        return [Group(None, batch, steps, table.algos_for(batch, steps), True, table.seq_major_for(batch))]
     whole = [Group(None, batch, steps, standard, full, table.seq_major_for(batch))]
     if not table.any_persistent:
         return whole
-    whole_cost = sum(table.step_ms(k, L.ALGO_STANDARD, batch) for k in range(blocks)) * int(lengths.max())
+    longest = int(lengths.max())
+    whole_cost = sum(table.cost_ms(k, L.ALGO_STANDARD, batch, longest) for k in range(blocks))
     options: list[tuple[float, list[Group]]] = [(whole_cost, whole)]
     if pad_ok and batch <= table.biggest and table.forced is None:
-        algos = table.algos_for(batch)
-        padded_cost = sum(table.step_ms(k, a, batch) for k, a in enumerate(algos)) * steps
+        algos = table.algos_for(batch, steps)
+        padded_cost = sum(table.cost_ms(k, a, batch, steps) for k, a in enumerate(algos))
         options.append((padded_cost, [Group(None, batch, steps, algos, True, table.seq_major_for(batch))]))
     values, inverse = np.unique(lengths, return_inverse=True)
     if table.forced is None:
-        # At least one group per distinct length, none faster per step than the fastest bucket: when even
-        # that bound loses, building the groups (Python work per group on every ragged call) is skipped.
-        bound = table.min_step_ms * float(values.sum()) + GROUP_OVERHEAD_MS * values.size
+        # At least one group per distinct length, none cheaper than the cheapest line of any bucket: when
+        # even that bound loses, building the groups (Python work per group on every ragged call) is skipped.
+        bound = (table.min_step_ms * float(values.sum())
+                 + (table.min_fixed_ms + GROUP_OVERHEAD_MS) * values.size)
         if values.size > MAX_GROUPS or bound >= min(cost for cost, _ in options):
             return min(options, key=lambda o: o[0])[1]
     groups: list[Group] = []
     cost = 0.0
     for i, length in enumerate(values):
         idx = np.flatnonzero(inverse == i)
+        length = int(length)
         for start in range(0, idx.size, table.biggest):
             rows = idx[start:start + table.biggest]
             n = int(rows.size)
             if rows[-1] - rows[0] + 1 == n:
                 rows = slice(int(rows[0]), int(rows[-1]) + 1)
-            algos = table.algos_for(n)
-            groups.append(Group(rows, n, int(length), algos, True, table.seq_major_for(n)))
-            cost += sum(table.step_ms(k, a, n) for k, a in enumerate(algos)) * int(length) + GROUP_OVERHEAD_MS
+            algos = table.algos_for(n, length)
+            groups.append(Group(rows, n, length, algos, True, table.seq_major_for(n)))
+            cost += sum(table.cost_ms(k, a, n, length) for k, a in enumerate(algos)) + GROUP_OVERHEAD_MS
         if len(groups) > MAX_GROUPS and table.forced is None:
             break
     if table.forced is not None:
@@ -236,7 +339,7 @@ def plan(table: AlgoTable, batch: int, steps: int, lengths: np.ndarray, pad_ok: 
     return min(options, key=lambda o: o[0])[1]
 
 
-def time_call(run, stream, warmup: int = 1, reps: int = 3) -> float:
+def time_call(run, stream, warmup: int = 1, reps: int = 5) -> float:
     """Median ms of ``run()`` on ``stream``, timed with CUDA events."""
     import cupy as cp
 

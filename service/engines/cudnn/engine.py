@@ -29,7 +29,7 @@ from ...repository import PackedModel
 from ..base import (BlockState, Engine, EngineOutput, Launched, check_block_states, check_forward_args,
                     gather_block_states)
 from . import library as L
-from .autotune import AlgoTable, BucketChoice, Group, Trial, batch_buckets, choose, plan
+from .autotune import LONG_FACTOR, AlgoTable, BucketChoice, Group, Trial, batch_buckets, choose, plan
 from .block import AlgorithmRejected
 from .copies import gather_rows, last_steps, swap01, warm
 from .transfer import download_async
@@ -62,7 +62,8 @@ class CudnnEngine(Engine):
     ``algorithm`` forces one algorithm name (``standard``, ``persist_static``,
     ``persist_dynamic``, ``persist_static_small_h``) wherever cuDNN accepts it, for
     tests and experiments; ``buckets`` replaces the power-of-two batch buckets;
-    ``tune_steps`` is the sequence length timed at load. ``blocking_sync``: wait for results
+    ``tune_steps`` is the first sequence length timed at load (the second is ``LONG_FACTOR`` times
+    it; see autotune). ``blocking_sync``: wait for results
     asleep instead of spinning a core (the server sets it: its other processes and threads
     need the cores while the GPU computes; a spin wakes ~10 µs sooner).
     """
@@ -209,9 +210,10 @@ class CudnnEngine(Engine):
         else:
             algos = (L.ALGO_STANDARD, L.ALGO_PERSIST_STATIC, L.ALGO_PERSIST_STATIC_SMALL_H, L.ALGO_PERSIST_DYNAMIC)
         choices = []
+        long_steps = steps * LONG_FACTOR
         for runner in self._runners:
             trials = tune_block(runner, self._conv, self._buckets, steps, algos, self._tolerance(),
-                                give_up=self._forced is None)
+                                give_up=self._forced is None, long_steps=long_steps)
             per = [choose(b, t, self._forced) for b, t in zip(self._buckets, trials)]
             if self._forced not in (None, L.ALGO_STANDARD) and all(c.algo != self._forced for c in per):
                 errors = {c.trials[self._forced].error for c in per if self._forced in c.trials}
@@ -221,7 +223,7 @@ class CudnnEngine(Engine):
                     f"size: {'; '.join(sorted(e for e in errors if e))}"
                 )
             choices.append(per)
-        return AlgoTable(self._buckets, choices, steps, self._forced)
+        return AlgoTable(self._buckets, choices, steps, self._forced, long_steps)
 
     def _tune_layouts(self, autotune: bool, steps: int) -> None:
         from .tuning import tune_layouts

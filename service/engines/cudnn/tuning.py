@@ -21,11 +21,14 @@ def _as_float32(conv: Converter, a):
 
 
 def tune_block(runner: BlockRunner, conv: Converter, buckets: tuple[int, ...], steps: int,
-               algos: tuple[int, ...], tolerance: float, give_up: bool = True) -> list[dict[int, Trial]]:
+               algos: tuple[int, ...], tolerance: float, give_up: bool = True,
+               long_steps: int | None = None) -> list[dict[int, Trial]]:
     """Per bucket, a Trial for each of ``algos`` (STANDARD first: the others are checked against it).
 
-    With ``give_up`` an algorithm that lost to STANDARD at GIVE_UP_AFTER consecutive buckets is
-    not timed at larger ones; a forced algorithm is timed everywhere.
+    Each usable algorithm is timed at ``steps`` and, when given, again at ``long_steps``
+    (the two points of its cost line; see autotune). With ``give_up`` an algorithm that lost
+    to STANDARD at both lengths at GIVE_UP_AFTER consecutive buckets is not timed at larger
+    ones; a forced algorithm is timed everywhere.
     """
     import cupy as cp
 
@@ -40,6 +43,7 @@ def tune_block(runner: BlockRunner, conv: Converter, buckets: tuple[int, ...], s
         lens_host = np.full(bucket, steps, dtype=np.int32)
         lens_dev = cp.asarray(lens_host)
         key = (bucket, steps, None)
+        long = _LongRun(runner, conv, rng, bucket, long_steps) if long_steps and long_steps != steps else None
         reference = None
         trials: dict[int, Trial] = {}
         for algo in algos:
@@ -78,11 +82,49 @@ def tune_block(runner: BlockRunner, conv: Converter, buckets: tuple[int, ...], s
                     trial.time_ms = None
                     losses[algo] += 1
                     continue
+            if long is not None:
+                try:
+                    trial.long_ms = long.time(algo)
+                except (L.CudnnError, AlgorithmRejected) as exc:
+                    trial.error = f"failed at {long_steps} steps: {str(exc)[:300]}"
+                    trial.time_ms = None
+                    if algo == L.ALGO_STANDARD:
+                        raise
+                    losses[algo] += 1
+                    continue
             if algo != L.ALGO_STANDARD:
-                std = trials[L.ALGO_STANDARD].time_ms
-                losses[algo] = losses[algo] + 1 if std is not None and trial.time_ms >= std else 0
+                std = trials[L.ALGO_STANDARD]
+                lost = std.time_ms is not None and trial.time_ms >= std.time_ms and (
+                    trial.long_ms is None or std.long_ms is None or trial.long_ms >= std.long_ms)
+                losses[algo] = losses[algo] + 1 if lost else 0
         out.append(trials)
     return out
+
+
+class _LongRun:
+    """Buffers for timing one bucket at the second tuning length."""
+
+    def __init__(self, runner: BlockRunner, conv: Converter, rng, bucket: int, steps: int) -> None:
+        import cupy as cp
+
+        spec = runner.spec
+        self.runner, self.bucket, self.steps = runner, bucket, steps
+        self.x = conv.to_store(rng.uniform(-1.0, 1.0, (bucket, steps, spec.input_size), dtype=np.float32))
+        self.h0 = conv.to_store(rng.uniform(-0.5, 0.5, (spec.pseudo_layers, bucket, spec.output_size),
+                                            dtype=np.float32))
+        self.y = cp.empty((bucket, steps, runner.out_features), dtype=conv.store)
+        self.hy = cp.empty_like(self.h0)
+        self.lens_host = np.full(bucket, steps, dtype=np.int32)
+        self.lens_dev = cp.asarray(self.lens_host)
+
+    def time(self, algo: int) -> float:
+        key = (self.bucket, self.steps, None)
+
+        def run():
+            self.runner.forward(algo, self.bucket, self.steps, key, self.lens_host, self.lens_dev.data.ptr,
+                                self.x.data.ptr, self.y.data.ptr, self.h0.data.ptr, self.hy.data.ptr)
+
+        return time_call(run, self.runner.ctx.stream)
 
 
 def tune_layouts(table, run_blocks, uniform, conv: Converter, input_size: int, steps: int, stream) -> None:

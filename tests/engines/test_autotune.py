@@ -1,0 +1,184 @@
+"""The autotuner's policy without a GPU: buckets, cost lines per algorithm, and the plan of a call.
+
+The tables here are built from made-up timings; the GPU tests (test_cudnn_gpu.py) check
+that the plans the engine runs give the reference engine's numbers.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from service.engines.cudnn.autotune import AlgoTable, BucketChoice, Group, Trial, batch_buckets, choose, plan
+
+def test_batch_buckets():
+    assert batch_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert batch_buckets(100) == (1, 2, 4, 8, 16, 32, 64, 100)
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(64, [8, 1, 256]) == (1, 8, 256)
+
+
+def _table(fast_persistent: bool, buckets=(1, 2, 4, 8), forced=None) -> AlgoTable:
+    per = []
+    for b in buckets:
+        std = Trial(0, time_ms=10.0 + b)
+        pst = Trial(1, time_ms=(2.0 if fast_persistent else 50.0) * b)
+        algo = 1 if fast_persistent and pst.time_ms < std.time_ms else 0
+        per.append(BucketChoice(b, algo, min(std.time_ms, pst.time_ms), {0: std, 1: pst}))
+    return AlgoTable(tuple(buckets), [per], steps=10, forced=forced)
+
+
+def test_plan_uniform_batch_uses_its_bucket_choice():
+    groups = plan(_table(True), 3, 10, np.full(3, 10))
+    assert len(groups) == 1 and groups[0].rows is None and groups[0].algos == (1,)
+
+
+def test_plan_ragged_without_persistent_is_one_standard_call():
+    groups = plan(_table(False), 5, 10, np.array([10, 3, 1, 10, 7]))
+    assert len(groups) == 1 and groups[0].rows is None and groups[0].algos == (0,) and not groups[0].uniform
+
+
+def test_plan_ragged_splits_when_groups_are_cheaper():
+    lengths = np.array([10, 10, 4, 10])
+    groups = plan(_table(True), 4, 10, lengths)
+    assert sorted((g.n, g.steps) for g in groups) == [(1, 4), (3, 10)]
+    covered = np.zeros(4, int)
+    for g in groups:
+        covered[np.arange(4)[g.rows]] += 1
+        assert np.all(lengths[np.arange(4)[g.rows]] == g.steps)
+    assert np.all(covered == 1)
+
+
+def test_plan_large_batch_is_cut_into_biggest_buckets():
+    groups = plan(_table(True), 20, 10, np.full(20, 10))
+    if len(groups) > 1:
+        assert all(g.n <= 8 for g in groups) and sum(g.n for g in groups) == 20
+
+
+@pytest.mark.parametrize("fast_persistent", [False, True])
+@pytest.mark.parametrize("pad_ok", [False, True])
+def test_plan_pruning_never_changes_the_choice(fast_persistent, pad_ok):
+    """The lower bound that skips building groups only skips plans that would lose anyway."""
+    rng = np.random.default_rng(5)
+    pruned, exhaustive = _table(fast_persistent), _table(fast_persistent)
+    exhaustive.__dict__["min_step_ms"] = -1e9  # a bound that never prunes
+    for _ in range(300):
+        b = int(rng.integers(1, 12))
+        lengths = rng.integers(1, 11, size=b) if rng.random() < 0.5 else rng.choice([3, 10], size=b)
+        want = plan(exhaustive, b, 10, lengths, pad_ok)
+        got = plan(pruned, b, 10, lengths, pad_ok)
+        assert [(g.n, g.steps, g.algos, g.uniform) for g in got] == [(g.n, g.steps, g.algos, g.uniform) for g in want]
+
+
+def test_plan_forced_algorithm_always_splits_ragged_batches():
+    groups = plan(_table(True, forced=1), 3, 10, np.array([10, 2, 10]))
+    assert len(groups) == 2
+
+
+def _flat_persistent_table(buckets=(1, 2, 4, 8)) -> AlgoTable:
+    # persistent kernels cost the same at every batch size here (launch-bound), STANDARD grows
+    per = []
+    for b in buckets:
+        std, pst = Trial(0, time_ms=10.0 + b), Trial(1, time_ms=3.0)
+        per.append(BucketChoice(b, 1, 3.0, {0: std, 1: pst}))
+    return AlgoTable(tuple(buckets), [per], steps=10)
+
+
+def test_plan_pads_a_ragged_batch_only_when_allowed_and_cheaper():
+    lengths = np.arange(10, 2, -1)  # 8 distinct lengths
+    padded = plan(_flat_persistent_table(), 8, 10, lengths, pad_ok=True)
+    assert len(padded) == 1 and padded[0].rows is None and padded[0].uniform and padded[0].algos == (1,)
+    assert padded[0].steps == 10 and padded[0].n == 8
+    not_allowed = plan(_flat_persistent_table(), 8, 10, lengths)
+    assert not (len(not_allowed) == 1 and not_allowed[0].uniform)
+    # where a bigger batch costs more, one long and many short sequences are cheaper as groups
+    skewed = np.array([10, 1, 1, 1, 1, 1, 1, 1])
+    groups = plan(_table(True), 8, 10, skewed, pad_ok=True)
+    assert len(groups) == 2
+
+
+# -- cost lines: two tuning lengths --------------------------------------------------------------------
+
+def test_trial_cost_is_the_line_through_its_two_timings():
+    t = Trial(1, time_ms=2.0, long_ms=5.0)  # 50 and 200 steps: 1 ms fixed + 0.02 ms a step
+    assert t.cost_ms(100, 50, 200) == pytest.approx(3.0)
+    assert t.cost_ms(10, 50, 200) == pytest.approx(1.2)
+    assert Trial(1, time_ms=2.0).cost_ms(100, 50, 200) == pytest.approx(4.0)  # one length: proportional
+    # noise that makes the longer run faster does not give a negative slope
+    assert Trial(1, time_ms=2.0, long_ms=1.9).cost_ms(400, 50, 200) == pytest.approx(2.0)
+
+
+def _gru_h1024_table() -> AlgoTable:
+    """Shaped like the H200's fp16 GRU H=1024 L=2 at B=64: STANDARD has a large fixed part, the
+    persistent kernel a steep slope, so the persistent kernel wins short calls and loses long ones."""
+    per = []
+    for b in (1, 8, 64):
+        std = Trial(0, time_ms=2.6, long_ms=3.8)   # 2.2 ms + 0.008 ms/step
+        pst = Trial(1, time_ms=1.75, long_ms=7.0)  # 0.0 ms + 0.035 ms/step
+        per.append(choose(b, {0: std, 1: pst}))
+    return AlgoTable((1, 8, 64), [per], steps=50, long_steps=200)
+
+
+def test_algorithm_is_chosen_at_the_calls_own_length():
+    table = _gru_h1024_table()
+    assert table.choices[0][2].algo == 1  # what one tuning length alone would have kept
+    assert table.algos_for(64, 50) == (1,)
+    assert table.algos_for(64, 10) == (1,)
+    assert table.algos_for(64, 100) == (0,)
+    assert table.algos_for(64, 200) == (0,)
+    assert table.algos_for(64) == (1,)  # default: the first tuning length
+    (g,) = plan(table, 64, 100, np.full(64, 100))
+    assert g.algos == (0,)
+    (g,) = plan(table, 64, 20, np.full(64, 20))
+    assert g.algos == (1,)
+
+
+def test_describe_reports_the_choice_at_both_lengths():
+    (block,) = _gru_h1024_table().describe()
+    assert block["steps"] == 50 and block["long_steps"] == 200
+    row = block["buckets"][2]
+    assert row["algo"] == "persist_static" and row["algo_long"] == "standard" and row["long_ms"] == 3.8
+    assert {t["algo"]: t.get("long_ms") for t in row["tried"]} == {"standard": 3.8, "persist_static": 7.0}
+
+
+def test_margin_applies_at_the_calls_length():
+    # 4 % faster than STANDARD at 200 steps is inside the 5 % margin: STANDARD stays
+    std, pst = Trial(0, time_ms=1.0, long_ms=4.0), Trial(1, time_ms=0.5, long_ms=3.85)
+    table = AlgoTable((8,), [[choose(8, {0: std, 1: pst})]], steps=50, long_steps=200)
+    assert table.algos_for(8, 50) == (1,)
+    assert table.algos_for(8, 200) == (0,)
+
+
+def _random_lines_table(seed: int, buckets=(1, 2, 4, 8)) -> AlgoTable:
+    rng = np.random.default_rng(seed)
+    per = []
+    for b in buckets:
+        trials = {}
+        for algo in (0, 1, 3):
+            short = float(rng.uniform(0.2, 3.0)) * (1 + b / 4)
+            trials[algo] = Trial(algo, time_ms=short, long_ms=short * float(rng.uniform(0.8, 6.0)))
+        per.append(choose(b, trials))
+    return AlgoTable(tuple(buckets), [per, per], steps=10, long_steps=40)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("pad_ok", [False, True])
+def test_plan_pruning_with_cost_lines_never_changes_the_choice(seed, pad_ok):
+    rng = np.random.default_rng(seed + 100)
+    pruned, exhaustive = _random_lines_table(seed), _random_lines_table(seed)
+    exhaustive.__dict__["min_step_ms"] = -1e9
+    for _ in range(300):
+        b = int(rng.integers(1, 12))
+        lengths = rng.integers(1, 41, size=b) if rng.random() < 0.5 else rng.choice([3, 40], size=b)
+        steps = int(lengths.max())
+        want = plan(exhaustive, b, steps, lengths, pad_ok)
+        got = plan(pruned, b, steps, lengths, pad_ok)
+        assert [(g.n, g.steps, g.algos, g.uniform) for g in got] == [(g.n, g.steps, g.algos, g.uniform) for g in want]
+
+
+def test_group_runs_its_own_length_with_that_lengths_algorithm():
+    table = _gru_h1024_table()
+    lengths = np.array([200] * 8 + [10] * 8)
+    groups = plan(table, 16, 200, lengths)
+    by_len = {g.steps: g for g in groups}
+    if len(groups) > 1:
+        assert isinstance(by_len[10], Group) and by_len[10].algos == (1,) and by_len[200].algos == (0,)
