@@ -10,7 +10,7 @@ sides compute exact fp32 (the engine's default FMA math); fp16 runs both in fp16
 
 Prints one table and writes every measurement, the engine's chosen algorithms and
 the targets' verdicts to the JSON file. The algorithm column reads
-``algorithm/io``: io ``bm`` = batch-major cuDNN IO, ``sm`` = sequence-major (one input
+``algorithm/io`` (the first block's algorithm for this batch at T, from the autotuner's cost lines): io ``bm`` = batch-major cuDNN IO, ``sm`` = sequence-major (one input
 transpose, output returned as a transposed view, like torch's batch_first).
 """
 from __future__ import annotations
@@ -117,7 +117,6 @@ def main() -> int:
                         print(f"  {cell} H={hidden} L={layers} {dtype}: engine failed: {exc}", flush=True)
                         continue
                     info = eng.describe()
-                    algos = {c["bucket"]: c["algo"] for c in info["algorithms"][0]["buckets"]}
                     layouts = {c["bucket"]: "sm" if c["layout"] == "seq_major" else "bm" for c in info["layouts"]}
                     engines.append({"cell": cell, "hidden": hidden, "layers": layers, "dtype": dtype,
                                     "load_ms": info["load_ms"], "algorithms": info["algorithms"],
@@ -128,7 +127,7 @@ def main() -> int:
                         x_cp = cp.asarray(x_host)
                         x_t = torch.from_numpy(x_host).to("cuda")
                         rec = {"cell": cell, "hidden": hidden, "layers": layers, "batch": batch, "dtype": dtype,
-                               "algo": f"{algos.get(batch)}/{layouts.get(batch)}"}
+                               "algo": f"{eng.algorithms_for(batch, t)[0]}/{layouts.get(batch)}"}
                         with torch.no_grad():
                             def torch_host():
                                 y, _ = mod(torch.from_numpy(x_host).to("cuda"))

@@ -16,13 +16,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/env
 python3 -c "import cupy, torch, numpy; print('cupy', cupy.__version__, 'torch', torch.__version__, 'numpy', numpy.__version__)" >> "$OUT/env.log" 2>&1
 rc=0
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+  timeout 270 python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
 fi
 if [ "$what" = all ] || [ "$what" = serve ]; then
   timeout 240 python3 bench/serve.py --device cuda --out "$OUT/serve_gpu.json" 2>&1 | tee "$OUT/serve_gpu.log" || rc=1
 fi
 if [ "$what" = all ] || [ "$what" = engine ]; then
-  timeout 200 python3 bench/gpu_engine.py --out "$OUT/gpu_engine.json" 2>&1 | tee "$OUT/gpu_engine.log" || rc=1
+  timeout 310 python3 bench/gpu_engine.py --out "$OUT/gpu_engine.json" 2>&1 | tee "$OUT/gpu_engine.log" || rc=1
 fi
 if [ "$what" = profile ]; then
   # py-spy travels in .gpu-wheels (installed into /tmp/site with the rest)

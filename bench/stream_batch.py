@@ -73,19 +73,12 @@ def main() -> int:
                     host.append(t1 - t0)
                     wall.append(t2 - t0)
                     gpu.append(cp.cuda.get_elapsed_time(start, end) / 1000)
-                algos = engine._table.algos_for(n, args.steps)
-                chosen = "/".join(sorted({name for name, a in _names().items() if a in algos}))
+                chosen = "/".join(sorted(set(engine.algorithms_for(n, args.steps))))
                 print(f"| {algorithm or 'autotuned'} | {n} | {chosen} | {1e3 * statistics.median(host):.3f} | "
                       f"{1e3 * statistics.median(wall):.3f} | {1e3 * statistics.median(gpu):.3f} |", flush=True)
         finally:
             engine.close()
     return 0
-
-
-def _names() -> dict[str, int]:
-    from service.engines.cudnn.library import ALGO_BY_NAME
-
-    return ALGO_BY_NAME
 
 
 if __name__ == "__main__":

@@ -268,6 +268,10 @@ class CudnnEngine(Engine):
             "load_ms": round(self.load_ms, 1),
         }
 
+    def algorithms_for(self, batch: int, steps: int) -> list[str]:
+        """Per block, the algorithm an equal-length call of ``batch`` sequences of ``steps`` steps runs."""
+        return [L.ALGO_NAMES[a] for a in self._table.algos_for(min(batch, self._table.biggest), steps)]
+
     def synchronize(self) -> None:
         """Wait for everything enqueued on the engine's stream (for timing device outputs)."""
         self._ctx.stream.synchronize()
