@@ -3,7 +3,8 @@
 Builds the streaming scenario's LSTM (bench/serve.py: I=40, H=256, 2 layers), gathers
 N streams' states and runs one 10-step chunk each (``gather_states`` + ``launch_blocks``,
 what the scheduler does for a batch of stream chunks), with each algorithm forced in
-turn and with the autotuner's choice. Columns: host ms (the calls' own time on the
+turn and with the autotuner's choice, with and without CUDA graphs (the same shape repeats
+here, so after its first calls each batch is one graph replay). Columns: host ms (the calls' own time on the
 calling thread, which in the server is the event loop), wall ms (until the outputs are
 on the host), GPU ms (CUDA events around the same calls). Medians over --reps calls.
 
@@ -45,13 +46,15 @@ def main() -> int:
     rng = np.random.default_rng(0)
     batches = [int(b) for b in args.batches.split(",")]
     print(f"stream batch: LSTM I=40 H=256 L=2, T={args.steps}, states from the previous chunk, median of {args.reps}")
-    print("| algorithm | B | chosen | host ms | wall ms | GPU ms |")
-    print("|---|--:|---|--:|--:|--:|")
-    for algorithm in (None, "standard", "persist_static", "persist_dynamic"):
+    print("| algorithm | CUDA graphs | B | chosen | host ms | wall ms | GPU ms |")
+    print("|---|---|--:|---|--:|--:|--:|")
+    for algorithm, graphs in ((None, True), (None, False), ("standard", True), ("standard", False),
+                              ("persist_static", True), ("persist_dynamic", True)):
         try:
-            engine = CudnnEngine(model, algorithm=algorithm, max_batch_size=max(batches), blocking_sync=True)
+            engine = CudnnEngine(model, algorithm=algorithm, max_batch_size=max(batches), blocking_sync=True,
+                                 graph_memory_mb=None if graphs else 0)
         except EngineUnavailable as exc:
-            print(f"| {algorithm} | - | refused: {exc} | | | |")
+            print(f"| {algorithm} | {'on' if graphs else 'off'} | - | refused: {exc} | | | |")
             continue
         try:
             for n in batches:
@@ -74,7 +77,7 @@ def main() -> int:
                     wall.append(t2 - t0)
                     gpu.append(cp.cuda.get_elapsed_time(start, end) / 1000)
                 chosen = "/".join(sorted(set(engine.algorithms_for(n, args.steps))))
-                print(f"| {algorithm or 'autotuned'} | {n} | {chosen} | {1e3 * statistics.median(host):.3f} | "
+                print(f"| {algorithm or 'autotuned'} | {'on' if graphs else 'off'} | {n} | {chosen} | {1e3 * statistics.median(host):.3f} | "
                       f"{1e3 * statistics.median(wall):.3f} | {1e3 * statistics.median(gpu):.3f} |", flush=True)
         finally:
             engine.close()

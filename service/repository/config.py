@@ -34,6 +34,10 @@ class ModelConfig(BaseModel):
         "float32", description="Data type the engine computes in (GPU engine; the CPU engine computes in float32)."
     )
     allow_tf32: bool = Field(False, description="Let the cuDNN engine use TF32 tensor cores for float32 models.")
+    cuda_graph_memory_mb: int = Field(
+        512, ge=0, description="Device memory the cuDNN engine may keep for CUDA graphs of repeated equal-length "
+                               "calls (their input, output and state buffers), in MiB; 0 turns the graphs off.",
+    )
     version_policy: Literal["latest", "all"] | list[int] = Field(
         "latest", description="Which versions to serve: 'latest', 'all' or a list of version numbers."
     )

@@ -109,37 +109,49 @@ class BlockRunner:
         return desc
 
     def forward(self, algo: int, batch: int, steps: int, lens_key: tuple, lens_host: np.ndarray, lens_dev: int,
-                x: int, y: int, hx: int = 0, hy: int = 0, cx: int = 0, cy: int = 0, seq_major: bool = False) -> None:
+                x: int, y: int, hx: int = 0, hy: int = 0, cx: int = 0, cy: int = 0, seq_major: bool = False,
+                workspace: int | None = None) -> None:
         """Enqueue the block on the engine stream; arguments from ``lens_dev`` on are device pointers.
 
         ``lens_key`` identifies ``lens_host``; it ends in None when every length equals ``steps``.
+        ``workspace``: a buffer of at least :meth:`work_size` bytes to use instead of the shared
+        one (a CUDA graph keeps the pointers it was captured with, and the shared one may grow).
         """
         lib = self.ctx.lib
-        handle = self.ctx.handle.ptr
+        desc, work = self._prepare(algo, batch, steps, lens_key, lens_host, seq_major)
+        wptr = self.ctx.workspace(work) if workspace is None else workspace
+        hdesc, cdesc = self.states.get(batch)
+        lib.cudnnRNNForward(self.ctx.handle.ptr, desc.ptr, L.FWD_MODE_INFERENCE, lens_dev, self.x_desc.ptr, x,
+                            self.y_desc.ptr, y, hdesc.ptr, hx or None, hy or None, cdesc.ptr, cx or None, cy or None,
+                            self.weights.nbytes, self.weights.ptr, work, wptr or None, 0, None)
+
+    def work_size(self, algo: int, batch: int, steps: int, lens_key: tuple, lens_host: np.ndarray,
+                  seq_major: bool = False) -> int:
+        """Bytes of workspace a :meth:`forward` call with these arguments needs."""
+        return self._prepare(algo, batch, steps, lens_key, lens_host, seq_major)[1]
+
+    def _prepare(self, algo, batch, steps, lens_key, lens_host, seq_major):
+        """The descriptor for the call, with the data descriptors set; (descriptor, workspace bytes)."""
         # Equal lengths in sequence-major order: packed IO without padding, as PyTorch runs it.
         packed = seq_major and lens_key[-1] is None
         desc = self.descriptor(algo, batch, padded=not packed)
         key = (seq_major, lens_key)
         self.x_desc.set(key, batch, steps, lens_host, seq_major, packed)
         self.y_desc.set(key, batch, steps, lens_host, seq_major, packed)
-        hdesc, cdesc = self.states.get(batch)
         # The workspace cuDNN asks for depends on the lengths, not only on (batch, steps): sizes are
         # cached for equal-length batches and asked for on every ragged call.
         wkey = (desc.ptr, key) if lens_key[-1] is None else None
         work = self._work_sizes.get(wkey) if wkey is not None else None
         if work is None:
             ws, rs = ctypes.c_size_t(), ctypes.c_size_t()
-            lib.cudnnGetRNNTempSpaceSizes(handle, desc.ptr, L.FWD_MODE_INFERENCE, self.x_desc.ptr,
-                                          ctypes.byref(ws), ctypes.byref(rs))
+            self.ctx.lib.cudnnGetRNNTempSpaceSizes(self.ctx.handle.ptr, desc.ptr, L.FWD_MODE_INFERENCE,
+                                                   self.x_desc.ptr, ctypes.byref(ws), ctypes.byref(rs))
             work = int(ws.value)
             if wkey is not None:
                 if len(self._work_sizes) > 4096:
                     self._work_sizes.clear()
                 self._work_sizes[wkey] = work
-        wptr = self.ctx.workspace(work)
-        lib.cudnnRNNForward(handle, desc.ptr, L.FWD_MODE_INFERENCE, lens_dev, self.x_desc.ptr, x, self.y_desc.ptr, y,
-                            hdesc.ptr, hx or None, hy or None, cdesc.ptr, cx or None, cy or None,
-                            self.weights.nbytes, self.weights.ptr, work, wptr or None, 0, None)
+        return desc, work
 
     def close(self) -> None:
         for desc in list(self.descs.values()) + list(self.dynamic.values()):

@@ -127,20 +127,28 @@ def _grid(total: int) -> int:
     return max(1, min(_MAX_BLOCKS, (total + _THREADS - 1) // _THREADS))
 
 
-def swap01(cp: Any, a: Any) -> Any:
+def swap01(cp: Any, a: Any, out: Any = None) -> Any:
     """``a`` [A, B, ...] with its first two axes swapped, C-contiguous, on the current stream.
 
-    A copy, except where A or B is 1 (then a view: the memory order is the same).
+    A copy, except where A or B is 1 (then a view: the memory order is the same). ``out``: a
+    C-contiguous buffer of the swapped shape to write into (always written, also where a view
+    would do), for callers that must not allocate (CUDA graph capture).
     """
     if a.ndim < 2:
         raise ValueError(f"swap01 needs at least 2 dimensions, got shape {a.shape}")
-    if not a.flags.c_contiguous:
-        return cp.ascontiguousarray(a.swapaxes(0, 1))
     d0, d1 = a.shape[0], a.shape[1]
     shape = (d1, d0) + a.shape[2:]
-    if d0 == 1 or d1 == 1 or a.size == 0:  # same memory order: a view
+    if out is not None:
+        if out.shape != shape or out.dtype != a.dtype or not out.flags.c_contiguous or not a.flags.c_contiguous:
+            raise ValueError(f"swap01 out must be C-contiguous {shape} {a.dtype}, got {out.shape} {out.dtype}")
+        if a.size == 0:
+            return out
+    elif not a.flags.c_contiguous:
+        return cp.ascontiguousarray(a.swapaxes(0, 1))
+    elif d0 == 1 or d1 == 1 or a.size == 0:  # same memory order: a view
         return a.reshape(shape)
-    out = cp.empty(shape, a.dtype)
+    else:
+        out = cp.empty(shape, a.dtype)
     row_bytes = a.itemsize * int(np.prod(a.shape[2:], dtype=np.int64))
     w = _width(row_bytes, a.data.ptr, out.data.ptr)
     r = row_bytes // w

@@ -32,6 +32,7 @@ from . import library as L
 from .autotune import LONG_FACTOR, AlgoTable, BucketChoice, Group, Trial, batch_buckets, choose, plan
 from .block import AlgorithmRejected
 from .copies import gather_rows, last_steps, swap01, warm
+from .graphs import GraphRuns
 from .transfer import download_async
 
 OUTPUT_DEVICES = ("host", "device")
@@ -65,7 +66,9 @@ class CudnnEngine(Engine):
     ``tune_steps`` is the first sequence length timed at load (the second is ``LONG_FACTOR`` times
     it; see autotune). ``blocking_sync``: wait for results
     asleep instead of spinning a core (the server sets it: its other processes and threads
-    need the cores while the GPU computes; a spin wakes ~10 µs sooner).
+    need the cores while the GPU computes; a spin wakes ~10 µs sooner). ``graph_memory_mb``: the
+    budget of CUDA graphs for repeated equal-length calls (default: the model's config; 0: none;
+    see :mod:`.graphs`).
     """
 
     name = "cudnn"
@@ -78,7 +81,7 @@ class CudnnEngine(Engine):
                  max_batch_size: int | None = None, autotune: bool = True, device_id: int = 0,
                  force_per_matrix_upload: bool = False, algorithm: str | None = None,
                  buckets: tuple[int, ...] | None = None, tune_steps: int = 50, layout: str | None = None,
-                 blocking_sync: bool = False) -> None:
+                 blocking_sync: bool = False, graph_memory_mb: int | None = None) -> None:
         started = time.perf_counter()
         self.model = model
         self.spec = model.spec
@@ -121,6 +124,7 @@ class CudnnEngine(Engine):
         self.device_id = int(device_id)
         self._lock = threading.Lock()
         self._runners: list[BlockRunner] = []
+        self._graphs: GraphRuns | None = None
         try:
             with self._ctx.device, self._ctx.stream:
                 self._conv = Converter(cp, self.precision)
@@ -133,6 +137,9 @@ class CudnnEngine(Engine):
                 self._table = self._tune(autotune, steps)
                 self._tune_layouts(autotune, steps)
                 self._warm_paths(steps)
+                budget = cfg.cuda_graph_memory_mb if graph_memory_mb is None else int(graph_memory_mb)
+                if budget > 0:  # after tuning: the timings above are of plain calls
+                    self._graphs = GraphRuns(cp, self._ctx, self._runners, self._prec.store, budget << 20)
         except L.CudnnError as exc:
             self.close()
             raise EngineUnavailable(f"cuDNN cannot run model '{model.name or '?'}': {exc}") from exc
@@ -265,6 +272,7 @@ class CudnnEngine(Engine):
             ],
             "algorithms": self._table.describe(),
             "layouts": self._table.describe_layouts(),
+            "cuda_graphs": None if self._graphs is None else self._graphs.describe(),
             "load_ms": round(self.load_ms, 1),
         }
 
@@ -278,6 +286,10 @@ class CudnnEngine(Engine):
 
     def close(self) -> None:
         """Free descriptors, the handle and device buffers."""
+        graphs = getattr(self, "_graphs", None)
+        if graphs is not None:
+            graphs.close()
+            self._graphs = None
         for runner in getattr(self, "_runners", []):
             runner.close()
         self._runners = []
@@ -309,6 +321,8 @@ class CudnnEngine(Engine):
         self._ensure_open()
         with self._lock, self._ctx.device, self._ctx.stream:
             y, hy, cy, out_dtype = self._queue(x, lengths, h0, c0, states_needed, last_only)
+            if self._graphs is not None and self._graphs.owns(y):
+                y = y.copy()  # the caller keeps it past the graph's next replay
             out = self._outputs(y, hy, cy, out_dtype, output_device)
             return EngineOutput(None, out.h_n, out.c_n, last=out.output) if last_only else out
 
@@ -555,6 +569,10 @@ class CudnnEngine(Engine):
         """
         cp, store = self._cp, self._prec.store
         hys, cys = out if out is not None else self._new_states(n)[2:]
+        if self._graphs is not None:
+            y = self._graphs.run(x, n, t, lens_key, lens_host, lens_dev, states, algos, seq_major, hys, cys)
+            if y is not None:
+                return y, hys, cys
         inp = swap01(cp, x) if seq_major else x
         lens_ptr = lens_dev.data.ptr
         for k, (runner, algo) in enumerate(zip(self._runners, algos)):

@@ -1,0 +1,188 @@
+"""CUDA graphs of equal-length cuDNN calls: one graph launch instead of a kernel launch per step.
+
+cuDNN's STANDARD algorithm launches kernels for every step of every layer, so a call's
+host time grows with T and often exceeds its GPU time (a 2-layer GRU, H=512, B=64,
+T=100 in fp32: the GPU work took ~3 ms, the call ~5 ms of host launches, and PyTorch
+pays the same). A captured graph replays every launch of the call from one host call.
+
+A graph keeps the device pointers it was captured with, so each graph owns its buffers:
+the input, the initial states, every block's output, the final states and a workspace.
+A replay copies the caller's input and states in (device-to-device copies queued on the
+engine's stream), launches the graph and copies the final states out; the output is
+the graph's own buffer, valid until the next replay of the same graph on the stream,
+which is later in stream order than anything the caller queued after this call (the
+engine copies it when the caller keeps device outputs).
+
+Only equal-length calls are captured (cuDNN reads ragged lengths from the host
+descriptor at launch). A shape is captured on its ``MIN_USES``-th call, so one-off
+shapes never pay the capture; graphs past the memory budget are dropped least recently
+used first. A shape whose capture fails is remembered and runs uncaptured from then on.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from . import library as L
+from .copies import swap01
+
+log = logging.getLogger("rnnserve.engines.cudnn.graphs")
+
+MIN_USES = 2
+_D2D = 3  # cudaMemcpyDeviceToDevice
+
+
+@dataclass
+class _Captured:
+    graph: Any
+    x: Any                      # [n, t, I] input, storage dtype
+    states: list                # per block (h | None, c | None): the initial states copied in
+    hys: list                   # per block final h [rows, n, Ho]
+    cys: list                   # per block final c [rows, n, H] | None
+    y: Any                      # the last block's output ([n, t, F], or a transposed view of [t, n, F])
+    keep: list                  # every other buffer the graph writes or reads
+    nbytes: int
+
+
+class GraphRuns:
+    """Captured graphs of one engine's equal-length calls, keyed by shape, algorithms and states given."""
+
+    def __init__(self, cp: Any, ctx: Any, runners: Sequence[Any], store: Any, budget_bytes: int) -> None:
+        self.cp = cp
+        self.ctx = ctx
+        self.runners = list(runners)
+        self.store = store
+        self.budget = int(budget_bytes)
+        self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self._uses: dict[tuple, int] = {}
+        self._failed: set[tuple] = set()
+        self.bytes = 0
+        self.captures = 0
+        self.replays = 0
+
+    def run(self, x: Any, n: int, t: int, lens_key: tuple, lens_host: Any, lens_dev: Any, states: Any,
+            algos: tuple[int, ...], seq_major: bool, hys: list, cys: list) -> Any | None:
+        """Run the call as a graph and return its output, or None when the caller must run it itself.
+
+        ``states``/``hys``/``cys`` as in the engine's ``_run_blocks``; the final states are copied
+        into ``hys``/``cys``.
+        """
+        if lens_key[-1] is not None or self.budget <= 0:
+            return None
+        mask = tuple((s[0] is not None, s[1] is not None) for s in states) if states is not None else None
+        key = (n, t, algos, seq_major, mask, x.shape[2])
+        got = self._graphs.get(key)
+        if got is None:
+            if key in self._failed:
+                return None
+            uses = self._uses.get(key, 0) + 1
+            if uses < MIN_USES:
+                if len(self._uses) > 8192:
+                    self._uses.clear()
+                self._uses[key] = uses
+                return None
+            self._uses.pop(key, None)
+            got = self._capture(key, n, t, lens_key, lens_host, lens_dev, mask, algos, seq_major, x)
+            if got is None:
+                return None
+        else:
+            self._graphs.move_to_end(key)
+        stream = self.ctx.stream
+        self._copy(got.x, x, stream)
+        if states is not None:
+            for (h_s, c_s), (h, c) in zip(got.states, states):
+                if h_s is not None:
+                    self._copy(h_s, h, stream)
+                if c_s is not None:
+                    self._copy(c_s, c, stream)
+        got.graph.launch(stream)
+        for k in range(len(hys)):
+            self._copy(hys[k], got.hys[k], stream)
+            if cys[k] is not None:
+                self._copy(cys[k], got.cys[k], stream)
+        self.replays += 1
+        return got.y
+
+    def owns(self, a: Any) -> bool:
+        """Whether ``a`` is (a view of) a graph's output buffer."""
+        ptr = a.data.ptr
+        return any(g.y.data.ptr == ptr for g in self._graphs.values())
+
+    def close(self) -> None:
+        self._graphs.clear()
+        self._uses.clear()
+        self.bytes = 0
+
+    def describe(self) -> dict:
+        return {"graphs": len(self._graphs), "bytes": self.bytes, "budget_bytes": self.budget,
+                "captures": self.captures, "replays": self.replays, "failed_shapes": len(self._failed)}
+
+    def _copy(self, dst: Any, src: Any, stream: Any) -> None:
+        if dst.nbytes != src.nbytes or not (dst.flags.c_contiguous and src.flags.c_contiguous):
+            dst[...] = src
+            return
+        if dst.nbytes:
+            self.cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, dst.nbytes, _D2D, stream.ptr)
+
+    def _capture(self, key, n, t, lens_key, lens_host, lens_dev, mask, algos, seq_major, x) -> _Captured | None:
+        cp, store, stream = self.cp, self.store, self.ctx.stream
+        try:
+            x_s = cp.zeros(x.shape, store)
+            states, hys, cys, ys, keep = [], [], [], [], [lens_dev]
+            for k, runner in enumerate(self.runners):
+                blk = runner.spec
+                rows = blk.pseudo_layers
+                h_given, c_given = mask[k] if mask is not None else (False, False)
+                states.append((cp.zeros((rows, n, blk.output_size), store) if h_given else None,
+                               cp.zeros((rows, n, blk.hidden_size), store) if c_given else None))
+                hys.append(cp.empty((rows, n, blk.output_size), store))
+                cys.append(cp.empty((rows, n, blk.hidden_size), store) if blk.cell == "lstm" else None)
+                ys.append(cp.empty((t, n, runner.out_features) if seq_major else (n, t, runner.out_features), store))
+            inp0 = cp.empty((t, n, x.shape[2]), store) if seq_major else x_s
+            work = max(r.work_size(a, n, t, lens_key, lens_host, seq_major) for r, a in zip(self.runners, algos))
+            ws = cp.empty(max(work, 1), cp.uint8)
+            keep += [inp0, ws, *ys]
+            nbytes = sum(a.nbytes for a in keep[1:] + [x_s] + hys + [c for c in cys if c is not None]
+                         + [a for pair in states for a in pair if a is not None])
+            if nbytes > self.budget:
+                self._failed.add(key)
+                return None
+            self._evict(self.budget - nbytes)
+
+            def enqueue() -> None:
+                if seq_major:
+                    swap01(cp, x_s, out=inp0)
+                inp = inp0
+                for k, (runner, algo) in enumerate(zip(self.runners, algos)):
+                    h_in, c_in = states[k]
+                    runner.forward(algo, n, t, lens_key, lens_host, lens_dev.data.ptr, inp.data.ptr, ys[k].data.ptr,
+                                   h_in.data.ptr if h_in is not None else 0, hys[k].data.ptr,
+                                   c_in.data.ptr if c_in is not None else 0,
+                                   cys[k].data.ptr if cys[k] is not None else 0, seq_major, workspace=ws.data.ptr)
+                    inp = ys[k]
+
+            enqueue()  # uncaptured first: descriptors, plans and kernels exist before the capture
+            stream.begin_capture(mode=getattr(cp.cuda.runtime, "streamCaptureModeThreadLocal", 1))
+            try:
+                enqueue()
+            finally:
+                graph = stream.end_capture()
+            graph.upload(stream)
+        except (L.CudnnError, cp.cuda.runtime.CUDARuntimeError, cp.cuda.driver.CUDADriverError, ValueError) as exc:
+            log.warning("CUDA graph capture of n=%d t=%d failed (%s: %s); this shape runs uncaptured",
+                        n, t, type(exc).__name__, exc)
+            self._failed.add(key)
+            return None
+        y = ys[-1].transpose(1, 0, 2) if seq_major else ys[-1]
+        got = _Captured(graph, x_s, states, hys, cys, y, keep, nbytes)
+        self._graphs[key] = got
+        self.bytes += nbytes
+        self.captures += 1
+        return got
+
+    def _evict(self, room: int) -> None:
+        while self._graphs and self.bytes > room:
+            _, old = self._graphs.popitem(last=False)
+            self.bytes -= old.nbytes

@@ -1,0 +1,113 @@
+"""CUDA graphs of the cuDNN engine (service/engines/cudnn/graphs.py): a replayed call gives exactly
+the numbers of the same call run launch by launch, and the reference engine's within the usual
+tolerance; outputs a caller keeps are never overwritten by a later replay."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from service.engines.cudnn import CudnnEngine
+from service.engines.cudnn.graphs import MIN_USES
+
+from test_cudnn_gpu import check_all, gpu, make_torch, model_from_torch, rand, reference_run  # noqa: E402
+
+
+def _pair(model, **kw):
+    return CudnnEngine(model, **kw), CudnnEngine(model, graph_memory_mb=0, **kw)
+
+
+@gpu
+@pytest.mark.parametrize("cell,layers,bi,layout", [
+    ("lstm", 2, False, "seq_major"), ("lstm", 1, True, "batch_major"), ("gru", 2, False, "batch_major"),
+    ("rnn_tanh", 3, True, "seq_major"), ("lstm", 2, False, None)])
+def test_replayed_calls_equal_plain_calls(cell, layers, bi, layout):
+    model = model_from_torch(make_torch(cell, 7, 33, layers, bi, seed=3), max_batch_size=8)
+    graphed, plain = _pair(model, layout=layout, algorithm="standard")
+    try:
+        rows = model.spec.state_layers
+        for call in range(MIN_USES + 2):  # the first calls run plain, then the graph is captured and replayed
+            x = rand((5, 17, 7), seed=call)
+            h0 = rand((5, rows, 33), seed=100 + call, scale=0.5)
+            c0 = rand((5, rows, 33), seed=200 + call, scale=0.5) if cell == "lstm" else None
+            a, b = graphed.forward(x, None, h0, c0), plain.forward(x, None, h0, c0)
+            np.testing.assert_array_equal(a.output, b.output)
+            np.testing.assert_array_equal(a.h_n, b.h_n)
+            if cell == "lstm":
+                np.testing.assert_array_equal(a.c_n, b.c_n)
+            check_all(a, reference_run(model, x, None, h0, c0))
+        info = graphed.describe()["cuda_graphs"]
+        assert info["captures"] == 1 and info["replays"] >= 2 and info["failed_shapes"] == 0
+    finally:
+        graphed.close()
+        plain.close()
+
+
+@gpu
+@pytest.mark.parametrize("algorithm", ["standard", "persist_static", "persist_dynamic"])
+def test_every_algorithm_replays(algorithm):
+    model = model_from_torch(make_torch("gru", 16, 64, 2, False, seed=5), max_batch_size=4)
+    graphed, plain = _pair(model, algorithm=algorithm)
+    try:
+        for call in range(MIN_USES + 1):
+            x = rand((4, 12, 16), seed=call)
+            np.testing.assert_array_equal(graphed.forward(x).output, plain.forward(x).output)
+        assert graphed.describe()["cuda_graphs"]["replays"] >= 1
+    finally:
+        graphed.close()
+        plain.close()
+
+
+@gpu
+def test_device_outputs_survive_later_replays():
+    import cupy as cp
+
+    model = model_from_torch(make_torch("lstm", 6, 20, 1, False, seed=7), max_batch_size=4)
+    eng = CudnnEngine(model)
+    try:
+        xs = [rand((3, 9, 6), seed=s) for s in range(MIN_USES + 3)]
+        kept = [eng.forward(cp.asarray(x), output_device="device").output for x in xs]
+        eng.synchronize()
+        for x, y in zip(xs, kept):
+            np.testing.assert_allclose(cp.asnumpy(y), reference_run(model, x).output, rtol=1e-5, atol=1e-5)
+        assert eng.describe()["cuda_graphs"]["replays"] >= 1
+    finally:
+        eng.close()
+
+
+@gpu
+def test_stream_chunks_replay_with_their_states():
+    # forward_blocks with carried states: the path stateful streams take, chunk after chunk
+    model = model_from_torch(make_torch("lstm", 5, 24, 2, False, seed=9), max_batch_size=4)
+    graphed, plain = _pair(model)
+    try:
+        x = rand((3, 8 * (MIN_USES + 2), 5), seed=11)
+        sg = sp = None
+        for k in range(MIN_USES + 2):
+            chunk = x[:, 8 * k:8 * (k + 1)]
+            yg, sg = graphed.forward_blocks(chunk, None, sg)
+            yp, sp = plain.forward_blocks(chunk, None, sp)
+            np.testing.assert_array_equal(yg, yp)
+        whole = reference_run(model, x)
+        np.testing.assert_allclose(yg, whole.output[:, -8:], rtol=1e-5, atol=1e-5)
+        assert graphed.describe()["cuda_graphs"]["replays"] >= 1
+    finally:
+        graphed.close()
+        plain.close()
+
+
+@gpu
+def test_budget_evicts_and_zero_turns_graphs_off():
+    model = model_from_torch(make_torch("gru", 4, 16, 1, False, seed=13), max_batch_size=8)
+    off = CudnnEngine(model, graph_memory_mb=0)
+    tiny = CudnnEngine(model, graph_memory_mb=1)
+    try:
+        assert off.describe()["cuda_graphs"] is None
+        for t in (5, 6, 7, 8, 9, 10):
+            x = rand((8, t, 4), seed=t)
+            for _ in range(MIN_USES):
+                check_all(tiny.forward(x), reference_run(model, x))
+        info = tiny.describe()["cuda_graphs"]
+        assert info["bytes"] <= info["budget_bytes"] == 1 << 20 and info["captures"] >= 1
+    finally:
+        off.close()
+        tiny.close()
