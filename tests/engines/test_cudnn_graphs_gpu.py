@@ -98,16 +98,31 @@ def test_stream_chunks_replay_with_their_states():
 @gpu
 def test_budget_evicts_and_zero_turns_graphs_off():
     model = model_from_torch(make_torch("gru", 4, 16, 1, False, seed=13), max_batch_size=8)
-    off = CudnnEngine(model, graph_memory_mb=0)
-    tiny = CudnnEngine(model, graph_memory_mb=1)
+    shapes = [(8, t) for t in (5, 6, 7, 8, 9, 10)]
+
+    def run_all(eng):
+        for n, t in shapes:
+            x = rand((n, t, 4), seed=t)
+            for _ in range(MIN_USES):
+                check_all(eng.forward(x), reference_run(model, x))
+        return eng.describe()["cuda_graphs"]
+
+    off, probe = CudnnEngine(model, graph_memory_mb=0), CudnnEngine(model)
     try:
         assert off.describe()["cuda_graphs"] is None
-        for t in (5, 6, 7, 8, 9, 10):
-            x = rand((8, t, 4), seed=t)
-            for _ in range(MIN_USES):
-                check_all(tiny.forward(x), reference_run(model, x))
-        info = tiny.describe()["cuda_graphs"]
-        assert info["bytes"] <= info["budget_bytes"] == 1 << 20 and info["captures"] >= 1
+        run_all(off)
+        whole = run_all(probe)
+        assert whole["captures"] == whole["graphs"] == len(shapes) and whole["failed_shapes"] == 0
     finally:
         off.close()
-        tiny.close()
+        probe.close()
+    one = whole["bytes"] // len(shapes)
+    budget_mb = -(-2 * one // (1 << 20))  # room for about two graphs
+    small = CudnnEngine(model, graph_memory_mb=budget_mb)
+    try:
+        info = run_all(small)
+        assert info["bytes"] <= info["budget_bytes"] == budget_mb << 20
+        if whole["bytes"] > info["budget_bytes"]:
+            assert info["graphs"] < info["captures"]  # the least recently used ones were dropped
+    finally:
+        small.close()

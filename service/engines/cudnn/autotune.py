@@ -339,17 +339,35 @@ def plan(table: AlgoTable, batch: int, steps: int, lengths: np.ndarray, pad_ok: 
     return min(options, key=lambda o: o[0])[1]
 
 
-def time_call(run, stream, warmup: int = 1, reps: int = 5) -> float:
-    """Median ms of ``run()`` on ``stream``, timed with CUDA events."""
+def time_call(run, stream, warmup: int = 1, reps: int = 5, graph: bool = False) -> float:
+    """Median ms of ``run()`` on ``stream``, timed with CUDA events.
+
+    ``graph``: time a CUDA graph of ``run()`` (what the engine replays once a shape repeats; see
+    graphs.py): per-step launches then cost nothing, which changes which algorithm wins for
+    STANDARD's many small kernels. A call that cannot be captured is timed as it is.
+    """
     import cupy as cp
 
     for _ in range(warmup):
         run()
+    call = run
+    if graph:
+        try:
+            stream.begin_capture(mode=getattr(cp.cuda.runtime, "streamCaptureModeThreadLocal", 1))
+            try:
+                run()
+            finally:
+                captured = stream.end_capture()
+            captured.upload(stream)
+            call = lambda: captured.launch(stream)  # noqa: E731
+            call()
+        except (L.CudnnError, cp.cuda.runtime.CUDARuntimeError, cp.cuda.driver.CUDADriverError):
+            call = run
     times = []
     for _ in range(reps):
         start, end = cp.cuda.Event(), cp.cuda.Event()
         start.record(stream)
-        run()
+        call()
         end.record(stream)
         end.synchronize()
         times.append(cp.cuda.get_elapsed_time(start, end))

@@ -134,10 +134,10 @@ class CudnnEngine(Engine):
                 self._prec = self._build_runners(BlockRunner, prec, force_per_matrix_upload)
                 steps = max(1, int(tune_steps))
                 self._buckets = batch_buckets(self.max_batch_size, buckets)
-                self._table = self._tune(autotune, steps)
+                budget = cfg.cuda_graph_memory_mb if graph_memory_mb is None else int(graph_memory_mb)
+                self._table = self._tune(autotune, steps, graph=budget > 0)
                 self._tune_layouts(autotune, steps)
                 self._warm_paths(steps)
-                budget = cfg.cuda_graph_memory_mb if graph_memory_mb is None else int(graph_memory_mb)
                 if budget > 0:  # after tuning: the timings above are of plain calls
                     self._graphs = GraphRuns(cp, self._ctx, self._runners, self._prec.store, budget << 20)
         except L.CudnnError as exc:
@@ -205,7 +205,7 @@ class CudnnEngine(Engine):
                     raise
         raise AssertionError("unreachable")
 
-    def _tune(self, autotune: bool, steps: int) -> AlgoTable:
+    def _tune(self, autotune: bool, steps: int, graph: bool = False) -> AlgoTable:
         from .tuning import tune_block
 
         if not autotune and self._forced in (None, L.ALGO_STANDARD):
@@ -220,7 +220,7 @@ class CudnnEngine(Engine):
         long_steps = steps * LONG_FACTOR
         for runner in self._runners:
             trials = tune_block(runner, self._conv, self._buckets, steps, algos, self._tolerance(),
-                                give_up=self._forced is None, long_steps=long_steps)
+                                give_up=self._forced is None, long_steps=long_steps, graph=graph)
             per = [choose(b, t, self._forced) for b, t in zip(self._buckets, trials)]
             if self._forced not in (None, L.ALGO_STANDARD) and all(c.algo != self._forced for c in per):
                 errors = {c.trials[self._forced].error for c in per if self._forced in c.trials}

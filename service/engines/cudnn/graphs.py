@@ -16,11 +16,13 @@ engine copies it when the caller keeps device outputs).
 Only equal-length calls are captured (cuDNN reads ragged lengths from the host
 descriptor at launch). A shape is captured on its ``MIN_USES``-th call, so one-off
 shapes never pay the capture; graphs past the memory budget are dropped least recently
-used first. A shape whose capture fails is remembered and runs uncaptured from then on.
+used first, and captures are rate-limited so that shapes that never settle cannot keep
+the engine capturing. A shape whose capture fails is remembered and runs uncaptured from then on.
 """
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -31,6 +33,9 @@ from .copies import swap01
 log = logging.getLogger("rnnserve.engines.cudnn.graphs")
 
 MIN_USES = 2
+CAPTURE_BURST = 64        # captures allowed at once ...
+CAPTURES_PER_S = 20.0     # ... and refilled at this rate: traffic whose shapes never settle (more
+                          # distinct shapes than the budget holds) must not spend its time capturing
 _D2D = 3  # cudaMemcpyDeviceToDevice
 
 
@@ -58,6 +63,8 @@ class GraphRuns:
         self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self._uses: dict[tuple, int] = {}
         self._failed: set[tuple] = set()
+        self._tokens = float(CAPTURE_BURST)
+        self._refilled = time.monotonic()
         self.bytes = 0
         self.captures = 0
         self.replays = 0
@@ -83,6 +90,8 @@ class GraphRuns:
                     self._uses.clear()
                 self._uses[key] = uses
                 return None
+            if not self._may_capture():
+                return None
             self._uses.pop(key, None)
             got = self._capture(key, n, t, lens_key, lens_host, lens_dev, mask, algos, seq_major, x)
             if got is None:
@@ -104,6 +113,15 @@ class GraphRuns:
                 self._copy(cys[k], got.cys[k], stream)
         self.replays += 1
         return got.y
+
+    def _may_capture(self) -> bool:
+        now = time.monotonic()
+        self._tokens = min(float(CAPTURE_BURST), self._tokens + (now - self._refilled) * CAPTURES_PER_S)
+        self._refilled = now
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True
 
     def owns(self, a: Any) -> bool:
         """Whether ``a`` is (a view of) a graph's output buffer."""

@@ -22,13 +22,14 @@ def _as_float32(conv: Converter, a):
 
 def tune_block(runner: BlockRunner, conv: Converter, buckets: tuple[int, ...], steps: int,
                algos: tuple[int, ...], tolerance: float, give_up: bool = True,
-               long_steps: int | None = None) -> list[dict[int, Trial]]:
+               long_steps: int | None = None, graph: bool = False) -> list[dict[int, Trial]]:
     """Per bucket, a Trial for each of ``algos`` (STANDARD first: the others are checked against it).
 
     Each usable algorithm is timed at ``steps`` and, when given, again at ``long_steps``
     (the two points of its cost line; see autotune). With ``give_up`` an algorithm that lost
     to STANDARD at both lengths at GIVE_UP_AFTER consecutive buckets is not timed at larger
-    ones; a forced algorithm is timed everywhere.
+    ones; a forced algorithm is timed everywhere. ``graph``: time CUDA graph replays of the calls
+    (the engine replays graphs of repeated shapes).
     """
     import cupy as cp
 
@@ -43,7 +44,8 @@ def tune_block(runner: BlockRunner, conv: Converter, buckets: tuple[int, ...], s
         lens_host = np.full(bucket, steps, dtype=np.int32)
         lens_dev = cp.asarray(lens_host)
         key = (bucket, steps, None)
-        long = _LongRun(runner, conv, rng, bucket, long_steps) if long_steps and long_steps != steps else None
+        long = (_LongRun(runner, conv, rng, bucket, long_steps, graph)
+                if long_steps and long_steps != steps else None)
         reference = None
         trials: dict[int, Trial] = {}
         for algo in algos:
@@ -63,7 +65,7 @@ def tune_block(runner: BlockRunner, conv: Converter, buckets: tuple[int, ...], s
                     runner.forward(algo, bucket, steps, key, lens_host, lens_dev.data.ptr, x.data.ptr, y.data.ptr,
                                    h0.data.ptr, hy.data.ptr)
 
-                trial.time_ms = time_call(run, ctx.stream)
+                trial.time_ms = time_call(run, ctx.stream, graph=graph)
             except (L.CudnnError, AlgorithmRejected) as exc:
                 trial.error = str(exc)[:400]
                 trial.time_ms = None
@@ -104,11 +106,11 @@ def tune_block(runner: BlockRunner, conv: Converter, buckets: tuple[int, ...], s
 class _LongRun:
     """Buffers for timing one bucket at the second tuning length."""
 
-    def __init__(self, runner: BlockRunner, conv: Converter, rng, bucket: int, steps: int) -> None:
+    def __init__(self, runner: BlockRunner, conv: Converter, rng, bucket: int, steps: int, graph: bool) -> None:
         import cupy as cp
 
         spec = runner.spec
-        self.runner, self.bucket, self.steps = runner, bucket, steps
+        self.runner, self.bucket, self.steps, self.graph = runner, bucket, steps, graph
         self.x = conv.to_store(rng.uniform(-1.0, 1.0, (bucket, steps, spec.input_size), dtype=np.float32))
         self.h0 = conv.to_store(rng.uniform(-0.5, 0.5, (spec.pseudo_layers, bucket, spec.output_size),
                                             dtype=np.float32))
@@ -124,7 +126,7 @@ class _LongRun:
             self.runner.forward(algo, self.bucket, self.steps, key, self.lens_host, self.lens_dev.data.ptr,
                                 self.x.data.ptr, self.y.data.ptr, self.h0.data.ptr, self.hy.data.ptr)
 
-        return time_call(run, self.runner.ctx.stream)
+        return time_call(run, self.runner.ctx.stream, graph=self.graph)
 
 
 def tune_layouts(table, run_blocks, uniform, conv: Converter, input_size: int, steps: int, stream) -> None:
