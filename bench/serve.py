@@ -61,8 +61,8 @@ HEADER = "Inference-Header-Content-Length"
 # ---- server ----------------------------------------------------------------------------------------------
 
 
-def write_stream_model(repo: Path, features: int, hidden: int, layers: int) -> None:
-    """The streaming scenario's LSTM, ``bench_stream``: batches up to 256 chunks."""
+def write_stream_model(repo: Path, features: int, hidden: int, layers: int, extra: dict | None = None) -> None:
+    """The streaming scenario's LSTM, ``bench_stream``: batches up to 256 chunks (``extra``: more config)."""
     from service.packing import block_param_count
     from service.repository import PackedModel
     from service.spec import BlockSpec, RNNSpec
@@ -71,11 +71,13 @@ def write_stream_model(repo: Path, features: int, hidden: int, layers: int) -> N
     rng = np.random.default_rng(2)
     weights = (rng.standard_normal(block_param_count(spec.blocks[0])) / np.sqrt(hidden)).astype(np.float32)
     PackedModel(spec, [weights]).save(repo, "bench_stream", 1)
-    (repo / "bench_stream" / "config.json").write_text(json.dumps({"max_batch_size": 256, "max_streams": 4096}))
+    (repo / "bench_stream" / "config.json").write_text(
+        json.dumps({"max_batch_size": 256, "max_streams": 4096, **(extra or {})}))
 
 
-def write_repository(repo: Path, features: int, hidden: int, layers: int) -> None:
-    """One random LSTM, served as ``bench`` (batching) and ``bench_nobatch`` (max_batch_size 1)."""
+def write_repository(repo: Path, features: int, hidden: int, layers: int, extra: dict | None = None) -> None:
+    """One random LSTM, served as ``bench`` (batching) and ``bench_nobatch`` (max_batch_size 1); ``extra``:
+    config for both."""
     from service.packing import block_param_count
     from service.repository import PackedModel
     from service.spec import BlockSpec, RNNSpec
@@ -86,7 +88,8 @@ def write_repository(repo: Path, features: int, hidden: int, layers: int) -> Non
     model = PackedModel(spec, [weights])
     model.save(repo, "bench", 1)
     model.save(repo, "bench_nobatch", 1)
-    (repo / "bench_nobatch" / "config.json").write_text(json.dumps({"max_batch_size": 1}))
+    (repo / "bench" / "config.json").write_text(json.dumps(extra or {}))
+    (repo / "bench_nobatch" / "config.json").write_text(json.dumps({"max_batch_size": 1, **(extra or {})}))
 
 
 def start_server(repo: Path, device: str, extra: list[str]) -> tuple[subprocess.Popen, str, str | None]:
@@ -652,6 +655,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-model", default="bench_stream", help="model the streams drive (default bench_stream)")
     p.add_argument("--frontends", type=int, default=1,
                    help="front-end processes of the started server (rnnserve serve --frontends; default 1)")
+    p.add_argument("--graph-memory-mb", type=int, default=None,
+                   help="cuda_graph_memory_mb of the started server's models (default: the config's; 0: no CUDA graphs)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
 
@@ -663,8 +668,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         tmp = tempfile.TemporaryDirectory(prefix="rnnserve-bench-")
         repo = Path(tmp.name) / "models"
-        write_repository(repo, args.features, args.hidden, args.layers)
-        write_stream_model(repo, args.features, args.stream_hidden, args.stream_layers)
+        extra = {} if args.graph_memory_mb is None else {"cuda_graph_memory_mb": args.graph_memory_mb}
+        write_repository(repo, args.features, args.hidden, args.layers, extra)
+        write_stream_model(repo, args.features, args.stream_hidden, args.stream_layers, extra)
         proc, http_url, grpc_url = start_server(repo, args.device, ["--frontends", str(args.frontends)])
         models = ["bench", "bench_nobatch"]
     rows: list[dict] = []
