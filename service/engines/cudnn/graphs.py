@@ -16,8 +16,9 @@ engine copies it when the caller keeps device outputs).
 Only equal-length calls are captured (cuDNN reads ragged lengths from the host
 descriptor at launch). A shape is captured on its ``MIN_USES``-th call, so one-off
 shapes never pay the capture; graphs past the memory budget are dropped least recently
-used first, and captures are rate-limited so that shapes that never settle cannot keep
-the engine capturing. A shape whose capture fails is remembered and runs uncaptured from then on.
+used first, and captures are rate-limited, and stop while the graphs so far are seldom
+replayed, so that traffic whose shapes never settle (single ragged requests of every
+length) does not keep the engine capturing. A shape whose capture fails is remembered and runs uncaptured from then on.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ log = logging.getLogger("rnnserve.engines.cudnn.graphs")
 MIN_USES = 2
 CAPTURE_BURST = 64        # captures allowed at once ...
 CAPTURES_PER_S = 20.0     # ... and refilled at this rate: traffic whose shapes never settle (more
-                          # distinct shapes than the budget holds) must not spend its time capturing
+                          # distinct shapes than the budget holds) must not spend its time capturing,
+REPLAYS_PER_CAPTURE = 8   # and past the burst a capture needs this many replays per capture so far
 _D2D = 3  # cudaMemcpyDeviceToDevice
 
 
@@ -115,6 +117,8 @@ class GraphRuns:
         return got.y
 
     def _may_capture(self) -> bool:
+        if self.captures >= CAPTURE_BURST and self.replays < REPLAYS_PER_CAPTURE * self.captures:
+            return False  # the graphs so far are rarely replayed: these shapes do not repeat enough
         now = time.monotonic()
         self._tokens = min(float(CAPTURE_BURST), self._tokens + (now - self._refilled) * CAPTURES_PER_S)
         self._refilled = now
