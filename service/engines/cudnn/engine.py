@@ -32,7 +32,7 @@ from . import library as L
 from .autotune import LONG_FACTOR, AlgoTable, BucketChoice, Group, Trial, batch_buckets, choose, plan
 from .block import AlgorithmRejected
 from .copies import gather_rows, last_steps, swap01, warm
-from .graphs import GraphRuns
+from .graphs import SETUP_LOCK, GraphRuns
 from .transfer import download_async
 
 OUTPUT_DEVICES = ("host", "device")
@@ -120,7 +120,12 @@ class CudnnEngine(Engine):
         self._uniform_c = self.spec.cell_state_size is not None
         self._uniform_lengths: dict[tuple[int, int], tuple[tuple, np.ndarray, Any]] = {}
         self._plans: dict[tuple[int, int], list[Group]] = {}
-        self._ctx = DeviceContext(self._lib, int(device_id))
+        SETUP_LOCK.acquire()  # see graphs.SETUP_LOCK; released once the engine is built or has failed
+        try:
+            self._ctx = DeviceContext(self._lib, int(device_id))
+        except BaseException:
+            SETUP_LOCK.release()
+            raise
         self.device_id = int(device_id)
         self._lock = threading.Lock()
         self._runners: list[BlockRunner] = []
@@ -138,7 +143,7 @@ class CudnnEngine(Engine):
                 self._table = self._tune(autotune, steps, graph=budget > 0)
                 self._tune_layouts(autotune, steps)
                 self._warm_paths(steps)
-                if budget > 0:  # after tuning: the timings above are of plain calls
+                if budget > 0:  # after tuning and warm-up, whose calls are not uses of a shape
                     self._graphs = GraphRuns(cp, self._ctx, self._runners, self._prec.store, budget << 20)
         except L.CudnnError as exc:
             self.close()
@@ -146,6 +151,8 @@ class CudnnEngine(Engine):
         except BaseException:
             self.close()
             raise
+        finally:
+            SETUP_LOCK.release()
         props = cp.cuda.runtime.getDeviceProperties(self.device_id)
         name = props.get("name", b"?")
         self.gpu_name = name.decode() if isinstance(name, bytes) else str(name)
@@ -286,6 +293,10 @@ class CudnnEngine(Engine):
 
     def close(self) -> None:
         """Free descriptors, the handle and device buffers."""
+        with SETUP_LOCK:
+            self._close()
+
+    def _close(self) -> None:
         graphs = getattr(self, "_graphs", None)
         if graphs is not None:
             graphs.close()

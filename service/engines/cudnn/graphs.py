@@ -23,6 +23,7 @@ length) does not keep the engine capturing. A shape whose capture fails is remem
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -34,6 +35,11 @@ from .copies import swap01
 log = logging.getLogger("rnnserve.engines.cudnn.graphs")
 
 MIN_USES = 2
+# Held while an engine is built (tuning captures graphs of its own) or closed, and while a graph is captured:
+# a capture must not overlap another engine's load in this process (seen on an H100: a model's
+# cuRAND launches failed while another model's tuning captured). A capture at serving time that
+# finds a load in progress runs its call uncaptured instead of waiting.
+SETUP_LOCK = threading.RLock()
 CAPTURE_BURST = 64        # captures allowed at once ...
 CAPTURES_PER_S = 20.0     # ... and refilled at this rate: traffic whose shapes never settle (more
                           # distinct shapes than the budget holds) must not spend its time capturing,
@@ -92,10 +98,13 @@ class GraphRuns:
                     self._uses.clear()
                 self._uses[key] = uses
                 return None
-            if not self._may_capture():
+            if not self._may_capture() or not SETUP_LOCK.acquire(blocking=False):
                 return None
+            try:
+                got = self._capture(key, n, t, lens_key, lens_host, lens_dev, mask, algos, seq_major, x)
+            finally:
+                SETUP_LOCK.release()
             self._uses.pop(key, None)
-            got = self._capture(key, n, t, lens_key, lens_host, lens_dev, mask, algos, seq_major, x)
             if got is None:
                 return None
         else:
