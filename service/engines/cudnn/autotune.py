@@ -352,16 +352,13 @@ def time_call(run, stream, warmup: int = 1, reps: int = 5, graph: bool = False) 
         run()
     call = run
     if graph:
+        from .graphs import capture, capture_errors
+
         try:
-            stream.begin_capture(mode=getattr(cp.cuda.runtime, "streamCaptureModeThreadLocal", 1))
-            try:
-                run()
-            finally:
-                captured = stream.end_capture()
-            captured.upload(stream)
+            captured = capture(cp, stream, run)
             call = lambda: captured.launch(stream)  # noqa: E731
             call()
-        except (L.CudnnError, cp.cuda.runtime.CUDARuntimeError, cp.cuda.driver.CUDADriverError):
+        except capture_errors(cp):
             call = run
     times = []
     for _ in range(reps):

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from . import library as L
 from .copies import swap01
@@ -45,6 +45,26 @@ CAPTURES_PER_S = 20.0     # ... and refilled at this rate: traffic whose shapes 
                           # distinct shapes than the budget holds) must not spend its time capturing,
 REPLAYS_PER_CAPTURE = 8   # and past the burst a capture needs this many replays per capture so far
 _D2D = 3  # cudaMemcpyDeviceToDevice
+
+
+def capture(cp: Any, stream: Any, enqueue: Callable[[], None]) -> Any:
+    """A CUDA graph of the work ``enqueue()`` queues on ``stream``, uploaded and ready to launch.
+
+    Thread-local capture mode: this thread may not make unsafe calls meanwhile (every buffer is
+    allocated beforehand), other threads are not restricted.
+    """
+    stream.begin_capture(mode=getattr(cp.cuda.runtime, "streamCaptureModeThreadLocal", 1))
+    try:
+        enqueue()
+    finally:
+        graph = stream.end_capture()
+    graph.upload(stream)
+    return graph
+
+
+def capture_errors(cp: Any) -> tuple[type[BaseException], ...]:
+    """What a failed capture raises."""
+    return L.CudnnError, cp.cuda.runtime.CUDARuntimeError, cp.cuda.driver.CUDADriverError
 
 
 @dataclass
@@ -195,13 +215,8 @@ class GraphRuns:
                     inp = ys[k]
 
             enqueue()  # uncaptured first: descriptors, plans and kernels exist before the capture
-            stream.begin_capture(mode=getattr(cp.cuda.runtime, "streamCaptureModeThreadLocal", 1))
-            try:
-                enqueue()
-            finally:
-                graph = stream.end_capture()
-            graph.upload(stream)
-        except (L.CudnnError, cp.cuda.runtime.CUDARuntimeError, cp.cuda.driver.CUDADriverError, ValueError) as exc:
+            graph = capture(cp, stream, enqueue)
+        except (*capture_errors(cp), ValueError) as exc:
             log.warning("CUDA graph capture of n=%d t=%d failed (%s: %s); this shape runs uncaptured",
                         n, t, type(exc).__name__, exc)
             self._failed.add(key)
