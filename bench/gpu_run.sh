@@ -2,10 +2,13 @@
 # One full run on a lent GPU machine (see the device tool): the GPU test suite and the
 # benchmarks, logs and JSON written to $OUT. The machine has no package index, so the
 # wheels it lacks travel in .gpu-wheels (FastAPI, uvicorn, pydantic, tritonclient, grpcio...).
-#   usage (device tool, carry .gpu-wheels):  bash bench/gpu_run.sh [tests|serve|engine|profile|all]
+#   usage (device tool, carry .gpu-wheels):  bash bench/gpu_run.sh [tests|serve|engine|profile|cprofile|all]
 # profile: py-spy samples (per thread) of the engine process of `rnnserve serve --frontends 6` under
 # binary-HTTP and gRPC load at concurrency 64 and under 256 paced streams (py-spy wheel in .gpu-wheels): all
 # threads, then only the thread holding the GIL (--gil). PROTOS picks the loads (default: all three).
+# cprofile: the engine process of `rnnserve serve --frontends 6` under cProfile (its event-loop thread) through
+# binary-HTTP load at concurrency 64 on the batching and the non-batching model and 256 paced streams, then
+# bench/engine_process.py (the engine process's cost per request with a stand-in engine, as on the CPU VM).
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-bench/results}
@@ -55,5 +58,31 @@ for _ in range(240):
     wait $lpid
   done
   kill -TERM $spid; wait $spid
+fi
+if [ "$what" = cprofile ]; then
+  python3 -c "import sys; sys.path.insert(0, 'bench'); import serve, pathlib; r = pathlib.Path('/tmp/prepo'); \
+serve.write_repository(r, 40, 128, 1); serve.write_stream_model(r, 40, 256, 2)"
+  python3 -m cProfile -o "$OUT/engine.prof" -m service.cli serve --repository /tmp/prepo --host 127.0.0.1 \
+    --http-port 18000 --grpc-port 18001 --device cuda --frontends ${FRONTENDS:-6} --log-level warning \
+    > "$OUT/cprofile_server.log" 2>&1 &
+  spid=$!
+  python3 -c "
+import time, urllib.request
+for _ in range(240):
+    try:
+        if urllib.request.urlopen('http://127.0.0.1:18000/v2/health/ready', timeout=2).status == 200: break
+    except Exception: time.sleep(0.5)"
+  for model in bench bench_nobatch; do
+    python3 bench/serve.py --url 127.0.0.1:18000 --grpc-url 127.0.0.1:18001 --no-compare --protocols http-binary \
+      --model $model --concurrency 64 --duration 6 --warmup 1 --clients 4 --scenario requests 2>&1 | tee -a "$OUT/cprofile_load.log"
+  done
+  python3 bench/serve.py --url 127.0.0.1:18000 --grpc-url 127.0.0.1:18001 --scenario streams --device cuda \
+    --streams 256 --chunk-interval-ms 100 --paced-seconds 8 --clients 6 2>&1 | tee -a "$OUT/cprofile_load.log"
+  kill -TERM $spid; wait $spid
+  python3 -c "
+import pstats, sys
+for key in ('tottime', 'cumtime'):
+    pstats.Stats('$OUT/engine.prof', stream=sys.stdout).sort_stats(key).print_stats(60)" > "$OUT/engine_prof.txt" 2>&1
+  timeout 120 python3 bench/engine_process.py 2>&1 | tee "$OUT/engine_process.log"
 fi
 exit $rc

@@ -1,0 +1,202 @@
+"""How many requests per second the engine process of `rnnserve serve --frontends N` can take.
+
+Under load on the GPU the engine process's one Python thread is the limit (bench/serve.py
+shows it busy 91-98 %), not the GPU. This bench measures that thread's cost per request
+on any machine: it runs the real engine-process side (DataPlane, registry, Scheduler,
+DataPlaneServer on a Unix socket) in this process over a stand-in engine that computes
+nothing (``launch`` returns at once; ``wait`` sleeps --gpu-ms without the GIL, as a GPU
+wait does; --launch-ms of GIL-held busy work stands for the cuDNN launch's host time),
+and drives it from a separate process that sends already-validated ``submit`` frames,
+as front-end processes do, with --concurrency requests outstanding.
+
+    python bench/engine_process.py                       # batching on and off, table
+    python bench/engine_process.py --profile prof.out    # cProfile of the engine process's thread
+
+The table shows requests/s with the server's batching (``bench``) and with
+``max_batch_size`` 1 (``bench_nobatch``), and the engine process's CPU time per request.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import itertools
+import multiprocessing
+import os
+import pickle
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+class _Event:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def synchronize(self) -> None:
+        time.sleep(self.seconds)
+
+
+class StandInEngine:
+    """Engine flags of the cuDNN engine, no computation: outputs are zeros of the right shapes."""
+
+    name = "stand-in"
+    skips_states = True
+    computes_last = True
+    launches = True
+    concurrent_batches = 2
+
+    def __init__(self, spec, gpu_ms: float, launch_ms: float) -> None:
+        self.spec = spec
+        self.gpu_s = gpu_ms / 1e3
+        self.launch_s = launch_ms / 1e3
+
+    def launch(self, x, lengths=None, h0=None, c0=None, states_needed=True, last_only=False):
+        from service.engines.base import EngineOutput, Launched
+
+        end = time.perf_counter() + self.launch_s
+        while time.perf_counter() < end:
+            pass
+        b, t = x.shape[0], x.shape[1]
+        blk = self.spec.blocks[-1]
+        feat = blk.output_size * blk.directions
+        states = sum(k.num_layers * k.directions for k in self.spec.blocks)
+
+        def finish() -> EngineOutput:
+            h = None if not states_needed else np.zeros((b, states, blk.output_size), np.float32)
+            if last_only:
+                return EngineOutput(None, h, h, last=np.zeros((b, feat), np.float32))
+            return EngineOutput(np.zeros((b, t, feat), np.float32), h, h)
+
+        return Launched(_Event(self.gpu_s), finish)
+
+    def forward(self, *args, **kwargs):
+        launched = self.launch(*args, **kwargs)
+        launched.wait()
+        return launched.finish()
+
+    def close(self) -> None:
+        pass
+
+
+def _client(path: str, model: str, generation: int, concurrency: int, seconds: float, seed: int, result) -> None:
+    """Send submit frames with ``concurrency`` outstanding for ``seconds``; report requests done."""
+    from service.dataplane.remote import _frame, FrameConnection
+    from service.dataplane.view import Prepared
+    from service.scheduler import SequenceWork
+
+    rng = np.random.default_rng(seed)
+    payloads = []
+    for _ in range(256):
+        t = int(rng.integers(20, 201))
+        work = SequenceWork(rng.standard_normal((1, t, 40)).astype(np.float32), np.array([t], np.int64),
+                            outputs=frozenset({"output_last"}))
+        payloads.append(Prepared(work, None, None))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        done = 0
+        ids = itertools.count()
+        pick = itertools.cycle(payloads)
+        stop_at = loop.time() + seconds
+        finished = loop.create_future()
+        conn: FrameConnection
+
+        def send() -> None:
+            conn.send((next(ids), "submit", (model, "", generation, next(pick))))
+
+        def on_reply(msg) -> None:
+            nonlocal done
+            _, ok, value = msg
+            if not ok:
+                raise value
+            done += 1
+            if loop.time() < stop_at:
+                send()
+            elif not finished.done():
+                finished.set_result(None)
+
+        _, conn = await loop.create_unix_connection(lambda: FrameConnection(on_reply), path)
+        start = loop.time()
+        for _ in range(concurrency):
+            send()
+        await finished
+        result.put(done / (loop.time() - start))
+        conn.close()
+
+    asyncio.run(main())
+
+
+async def _serve(args, repo: Path, model: str, profile: cProfile.Profile | None) -> tuple[float, float, float]:
+    from service.dataplane import DataPlane
+    from service.dataplane.remote import DataPlaneServer
+    from service.registry import ModelRegistry
+
+    registry = ModelRegistry(repo, device="cpu")
+    dataplane = DataPlane(registry)
+    await dataplane.start()
+    path = str(Path(tempfile.mkdtemp()) / "engine.sock")
+    server = DataPlaneServer(dataplane, path)
+    await server.start()
+    generation = dataplane.model_view(model).generation
+    ctx = multiprocessing.get_context("spawn")
+    result = ctx.Queue()
+    client = ctx.Process(target=_client, args=(path, model, generation, args.concurrency, args.seconds, 1, result))
+    client.start()
+    cpu0, wall0 = time.thread_time(), time.perf_counter()
+    if profile is not None:
+        profile.enable()
+    loop = asyncio.get_running_loop()
+    rate = await loop.run_in_executor(None, result.get)
+    if profile is not None:
+        profile.disable()
+    cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
+    client.join()
+    sched = registry.serving(model).scheduler
+    await server.stop()
+    await dataplane.stop()
+    del sched
+    return rate, cpu, wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--gpu-ms", type=float, default=0.3, help="time each batch waits without the GIL")
+    parser.add_argument("--launch-ms", type=float, default=0.2, help="GIL-held host time of each launch")
+    parser.add_argument("--profile", help="write a cProfile of the engine process's event loop here")
+    parser.add_argument("--only", choices=("bench", "bench_nobatch"))
+    args = parser.parse_args()
+
+    import serve
+    from service.registry import registry as registry_module
+
+    spec_engine = lambda model, device="cpu", **_: StandInEngine(model.spec, args.gpu_ms, args.launch_ms)  # noqa: E731
+    registry_module.create_engine = spec_engine
+    repo = Path(tempfile.mkdtemp(prefix="rnnserve-ep-"))
+    serve.write_repository(repo, 40, 128, 1)
+    print(f"engine process alone: stand-in engine (launch {args.launch_ms} ms GIL-held, wait {args.gpu_ms} ms), "
+          f"concurrency {args.concurrency}, {args.seconds}s per row, lengths 20..200, output_last")
+    print("| model         |    req/s | engine-process CPU per request (µs) | CPU busy |")
+    print("|---------------|---------:|------------------------------------:|---------:|")
+    for model in ("bench", "bench_nobatch"):
+        if args.only and model != args.only:
+            continue
+        profile = cProfile.Profile() if args.profile and model == "bench" else None
+        rate, cpu, wall = asyncio.run(_serve(args, repo, model, profile))
+        per = 1e6 * cpu / max(1.0, rate * wall)
+        print(f"| {model:13s} | {rate:8.0f} | {per:35.1f} | {100 * cpu / wall:7.0f}% |", flush=True)
+        if profile is not None:
+            profile.dump_stats(args.profile)
+
+
+if __name__ == "__main__":
+    main()
