@@ -86,8 +86,11 @@ class StandInEngine:
         pass
 
 
-def _client(path: str, model: str, generation: int, concurrency: int, seconds: float, seed: int, result) -> None:
-    """Send submit frames with ``concurrency`` outstanding for ``seconds``; report requests done."""
+def _client(path: str, model: str, generation: int, concurrency: int, seconds: float, seed: int, per_submit: int,
+            result) -> None:
+    """Send submit frames with ``concurrency`` outstanding for ``seconds``; report requests done.
+
+    ``per_submit`` > 1: each frame carries that many requests merged, as a front-end's coalescer sends them."""
     from service.dataplane.remote import _frame, FrameConnection
     from service.dataplane.view import Prepared
     from service.scheduler import SequenceWork
@@ -95,10 +98,10 @@ def _client(path: str, model: str, generation: int, concurrency: int, seconds: f
     rng = np.random.default_rng(seed)
     payloads = []
     for _ in range(256):
-        t = int(rng.integers(20, 201))
-        work = SequenceWork(rng.standard_normal((1, t, 40)).astype(np.float32), np.array([t], np.int64),
-                            outputs=frozenset({"output_last"}))
-        payloads.append(Prepared(work, None, None))
+        ts = rng.integers(20, 201, per_submit)
+        x = np.zeros((per_submit, int(ts.max()), 40), np.float32)
+        work = SequenceWork(x, ts.astype(np.int64), outputs=frozenset({"output_last"}))
+        payloads.append(Prepared(work, None, None, per_submit) if per_submit > 1 else Prepared(work, None, None))
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -117,7 +120,7 @@ def _client(path: str, model: str, generation: int, concurrency: int, seconds: f
             _, ok, value = msg
             if not ok:
                 raise value
-            done += 1
+            done += per_submit
             if loop.time() < stop_at:
                 send()
             elif not finished.done():
@@ -125,7 +128,7 @@ def _client(path: str, model: str, generation: int, concurrency: int, seconds: f
 
         _, conn = await loop.create_unix_connection(lambda: FrameConnection(on_reply), path)
         start = loop.time()
-        for _ in range(concurrency):
+        for _ in range(max(1, concurrency // per_submit)):
             send()
         await finished
         result.put(done / (loop.time() - start))
@@ -148,7 +151,8 @@ async def _serve(args, repo: Path, model: str, profile: cProfile.Profile | None)
     generation = dataplane.model_view(model).generation
     ctx = multiprocessing.get_context("spawn")
     result = ctx.Queue()
-    client = ctx.Process(target=_client, args=(path, model, generation, args.concurrency, args.seconds, 1, result))
+    client = ctx.Process(target=_client, args=(path, model, generation, args.concurrency, args.seconds, 1,
+                                                   args.per_submit if model == "bench" else 1, result))
     client.start()
     cpu0, wall0 = time.thread_time(), time.perf_counter()
     if profile is not None:
@@ -173,6 +177,8 @@ def main() -> None:
     parser.add_argument("--gpu-ms", type=float, default=0.3, help="time each batch waits without the GIL")
     parser.add_argument("--launch-ms", type=float, default=0.2, help="GIL-held host time of each launch")
     parser.add_argument("--profile", help="write a cProfile of the engine process's event loop here")
+    parser.add_argument("--per-submit", type=int, default=1,
+                        help="requests per submit frame on the batching model (a front-end's coalescing)")
     parser.add_argument("--only", choices=("bench", "bench_nobatch"))
     args = parser.parse_args()
 

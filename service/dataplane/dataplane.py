@@ -135,7 +135,7 @@ class DataPlane:
         except StaleModelView:
             raise
         except RNNServeError as exc:
-            self._count_refused(name, served, exc)
+            self._count_refused(name, served, exc, prepared.requests)
             raise
         return self._submit(served, prepared, start)
 
@@ -143,35 +143,37 @@ class DataPlane:
         """Queue validated work on ``served``; the future's outcome is counted when it settles."""
         try:
             if prepared.stream is None:
-                fut = served.scheduler.enqueue(prepared.work, prepared.deadline)
+                fut = served.scheduler.enqueue(prepared.work, prepared.deadline, prepared.requests)
             else:
                 fut = asyncio.ensure_future(self._stream_chunk(served, prepared.stream, prepared.work, prepared.deadline))
         except RNNServeError as exc:
-            self._count(served.name, served.label, exc.status.lower())
+            self._count(served.name, served.label, exc.status.lower(), prepared.requests)
             raise
-        fut.add_done_callback(partial(self._finished, served.name, served.label, start))
+        fut.add_done_callback(partial(self._finished, served.name, served.label, start, prepared.requests))
         return fut
 
-    def _finished(self, model: str, version: str, start: float, fut: asyncio.Future) -> None:
+    def _finished(self, model: str, version: str, start: float, requests: int, fut: asyncio.Future) -> None:
         if fut.cancelled():  # the client went away; nothing was answered
             return
         exc = fut.exception()
         if exc is None:
-            self._count(model, version, "success")
-            self._bound("duration", model, version).observe(time.perf_counter() - start)
+            self._count(model, version, "success", requests)
+            duration, seconds = self._bound("duration", model, version), time.perf_counter() - start
+            for _ in range(requests):
+                duration.observe(seconds)
         elif isinstance(exc, RNNServeError):
-            self._count(model, version, exc.status.lower())
+            self._count(model, version, exc.status.lower(), requests)
         else:
             log.error("request to model %s failed", model, exc_info=exc)
-            self._count(model, version, "internal")
+            self._count(model, version, "internal", requests)
 
-    def _count_refused(self, name: str, served: ServedVersion | None, exc: RNNServeError) -> None:
-        """Count a request refused before it was queued (unknown names under model "")."""
+    def _count_refused(self, name: str, served: ServedVersion | None, exc: RNNServeError, requests: int = 1) -> None:
+        """Count ``requests`` refused before they were queued (unknown names under model "")."""
         if served is not None:
             model, version = served.name, served.label
         else:
             model, version = (name if name in self.registry.names() else ""), ""
-        self._count(model, version, exc.status.lower())
+        self._count(model, version, exc.status.lower(), requests)
 
     def _view(self, served: ServedVersion) -> ModelView:
         view = self._views.get(served.generation)
@@ -180,7 +182,7 @@ class DataPlane:
                 self._views.clear()
             view = self._views[served.generation] = ModelView(
                 served.name, served.label, served.generation, self._signature(served.model.spec),
-                served.config.max_sequence_length)
+                served.config.max_sequence_length, served.config.max_batch_size)
         return view
 
     async def _stream_chunk(self, served: ServedVersion, stream: StreamRequest, work: SequenceWork,
@@ -225,9 +227,9 @@ class DataPlane:
             hit = self._signatures[id(spec)] = (spec, ModelSignature.of(spec))
         return hit[1]
 
-    def _count(self, model: str, version: str, outcome: str) -> None:
+    def _count(self, model: str, version: str, outcome: str, requests: int = 1) -> None:
         # Requests for unknown models are counted under model "" so clients cannot create series at will.
-        self._bound("requests", model, version, outcome).inc()
+        self._bound("requests", model, version, outcome).inc(requests)
 
     def _bound(self, kind: str, model: str, version: str, outcome: str = "") -> Any:
         key = (kind, model, version, outcome)

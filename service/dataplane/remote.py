@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 from ..errors import NotFound, RNNServeError, StaleModelView, Unavailable
 from ..wire import wire
+from .coalesce import Lane
 from .types import InferRequest, InferResponse
 from .view import ModelView, prepare, respond
 
@@ -223,6 +224,7 @@ class RemoteDataPlane:
         self._sync_lock = threading.Lock()
         self._draining = False
         self._views: dict[tuple[str, str], ModelView] = {}
+        self._lanes: dict[tuple[str, str, int], Lane] = {}
 
     async def connect(self) -> None:
         """Open both connections to the engine process."""
@@ -265,14 +267,19 @@ class RemoteDataPlane:
                 fut.set_exception(Unavailable("the engine process is not reachable; the server is stopping"))
         self._pending.clear()
 
-    async def _call(self, method: str, *args: Any) -> Any:
-        if self._conn is None or self._conn.closed:
-            raise Unavailable("the engine process is not reachable; the server is stopping")
-        msg_id = next(self._ids)
+    def _send(self, method: str, *args: Any) -> asyncio.Future:
+        """Send one call; the future gets its reply."""
         fut = asyncio.get_running_loop().create_future()
+        if self._conn is None or self._conn.closed:
+            fut.set_exception(Unavailable("the engine process is not reachable; the server is stopping"))
+            return fut
+        msg_id = next(self._ids)
         self._pending[msg_id] = fut
         self._conn.send((msg_id, method, args))
-        return await fut
+        return fut
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        return await self._send(method, *args)
 
     def _call_sync(self, method: str, *args: Any) -> Any:
         with self._sync_lock:
@@ -330,14 +337,30 @@ class RemoteDataPlane:
         except RNNServeError:
             return await self._call("infer", request)
         try:
-            results = await self._call("submit", request.model_name, request.model_version, view.generation, prepared)
+            if prepared.stream is None and prepared.deadline is None and view.max_batch_size > 1:
+                results = await self._lane(key, view).submit(prepared)
+            else:
+                results = await self._call("submit", *key, view.generation, prepared)
         except StaleModelView:  # reloaded since the view was fetched: the engine process validates it again
-            self._views.pop(key, None)
+            self._forget(key, view)
             return await self._call("infer", request)
         except NotFound:
-            self._views.pop(key, None)
+            self._forget(key, view)
             raise
         return respond(request, view, results)
+
+    def _lane(self, key: tuple[str, str], view: ModelView) -> Lane:
+        lane = self._lanes.get(key + (view.generation,))
+        if lane is None:
+            lane = self._lanes[key + (view.generation,)] = Lane(
+                view, partial(self._send, "submit", *key, view.generation))
+        return lane
+
+    def _forget(self, key: tuple[str, str], view: ModelView) -> None:
+        """Fetch the model's view again on its next request (reloaded or unloaded)."""
+        if self._views.get(key) is view:
+            del self._views[key]
+        self._lanes.pop(key + (view.generation,), None)
 
     async def load_model(self, name: str) -> None:
         await self._call("load_model", name)

@@ -31,18 +31,24 @@ class ModelView:
     generation: int
     signature: ModelSignature
     max_sequence_length: int
+    max_batch_size: int
 
 
 @dataclass
 class Prepared:
-    """A validated request: its sequences, its deadline (``time.monotonic()``, or None) and its stream."""
+    """A validated request: its sequences, its deadline (``time.monotonic()``, or None) and its stream.
+
+    ``requests`` > 1: the work of that many client requests that a front-end process merged
+    (:mod:`.coalesce`); the engine process counts each of them in its metrics.
+    """
 
     work: SequenceWork
     deadline: float | None
     stream: StreamRequest | None
+    requests: int = 1
 
     def __reduce__(self) -> tuple:  # sent to the engine process with every request: no per-field dict
-        return (Prepared, (self.work, self.deadline, self.stream))
+        return (Prepared, (self.work, self.deadline, self.stream, self.requests))
 
 
 def prepare(request: InferRequest, view: ModelView) -> Prepared:

@@ -73,6 +73,7 @@ class _Waiting:
     future: asyncio.Future
     enqueued: float
     deadline: float | None
+    requests: int = 1
     state: str = _QUEUED
     queue_seconds: float = field(default=0.0)
     timer: asyncio.TimerHandle | None = None
@@ -140,8 +141,10 @@ class Scheduler:
         """
         return await self.enqueue(work, deadline)
 
-    def enqueue(self, work: SequenceWork, deadline: float | None = None) -> asyncio.Future:
+    def enqueue(self, work: SequenceWork, deadline: float | None = None, requests: int = 1) -> asyncio.Future:
         """Queue ``work``; the returned future gets its outputs by name, or its error.
+
+        ``requests``: how many client requests ``work`` holds (a front-end's merged work), for metrics.
 
         A future rather than a coroutine: the engine process answers front-end processes
         from a done-callback, without a task per request (measured on an H200 host, the
@@ -162,7 +165,7 @@ class Scheduler:
             raise DeadlineExceeded(f"the request's timeout passed before model '{self.model}' could queue it; "
                                    f"raise the 'timeout' parameter")
         loop = asyncio.get_running_loop()
-        item = _Waiting(work, loop.create_future(), now, deadline)
+        item = _Waiting(work, loop.create_future(), now, deadline, requests)
         if deadline is not None:
             item.timer = loop.call_later(deadline - now, self._expire, item)
         item.future.add_done_callback(lambda _: self._settled(item))
@@ -319,7 +322,8 @@ class Scheduler:
             m.computed_timesteps.inc(merged.computed_steps)
             m.useful_timesteps.inc(merged.useful_steps)
             for item in batch:
-                m.queue_duration.observe(item.queue_seconds)
+                for _ in range(item.requests):
+                    m.queue_duration.observe(item.queue_seconds)
         for item, result in zip(batch, results):
             if not item.future.done():
                 item.future.set_result(result)

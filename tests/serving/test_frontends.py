@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 import urllib.request
 from pathlib import Path
 
@@ -91,14 +92,10 @@ def test_a_stream_continues_whichever_front_end_gets_the_chunk(frontends_server)
 
 
 def _successes(http: str) -> float:
+    """Successful requests to lstm, all versions (0 before the first)."""
     text = urllib.request.urlopen(f"http://{http}/metrics", timeout=10).read().decode()
-    found = re.search(r'^rnnserve_requests_total\{model="lstm",outcome="success",version="(\d+)"\} (\S+)$', text, re.M)
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith('rnnserve_requests_total{model="lstm",outcome="success"'):
-            total += float(line.rsplit(" ", 1)[1])
-    assert found is not None
-    return total
+    return sum(float(m.group(1)) for m in
+               re.finditer(r'^rnnserve_requests_total\{model="lstm",outcome="success",version="\d+"\} (\S+)$', text, re.M))
 
 
 def test_front_ends_serve_a_reloaded_model_with_its_new_weights(frontends_server):
@@ -133,6 +130,35 @@ def test_front_ends_serve_a_reloaded_model_with_its_new_weights(frontends_server
         np.testing.assert_allclose(gc.infer("lstm", [_grpc_input(x)]).as_numpy("output"), v2, rtol=1e-5, atol=1e-5)
         answered += 1
     assert _successes(http) - before == answered  # each request counted once, retried or not
+
+
+def test_concurrent_requests_coalesced_by_front_ends_equal_their_single_answers(frontends_server):
+    """Front-ends merge the requests that wait behind their in-flight work (service.dataplane.coalesce)."""
+    repo, _, http, _ = frontends_server
+    rng = np.random.default_rng(6)
+    xs = [rng.standard_normal((1 + k % 3, int(rng.integers(150, 400)), 4)).astype(np.float32) for k in range(64)]
+    before = _successes(http)
+    with th.InferenceServerClient(http) as hc:
+        version = hc.get_model_metadata("lstm")["versions"][-1]
+
+    def one(k: int):
+        names = ("output", "h_n") if k % 2 else ("output_last",)
+        with th.InferenceServerClient(http) as client:  # a connection each: spread over both front-ends
+            return client.infer("lstm", [_http_input(xs[k])], outputs=[th.InferRequestedOutput(n) for n in names])
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, range(64)))
+    engine = create_engine(load_model(repo / "lstm", int(version)), "cpu")
+    for k, (x, res) in enumerate(zip(xs, results)):
+        want = engine.forward(x)
+        if k % 2:
+            np.testing.assert_allclose(res.as_numpy("output"), want.output, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(res.as_numpy("h_n"), want.h_n, rtol=1e-5, atol=1e-5)
+            assert res.as_numpy("output_last") is None
+        else:
+            np.testing.assert_allclose(res.as_numpy("output_last"), want.output[:, -1], rtol=1e-5, atol=1e-5)
+            assert res.as_numpy("output") is None
+    assert _successes(http) - before == 64  # merged or not, each request counted once
 
 
 def test_sigterm_stops_every_process(frontends_server):

@@ -1,0 +1,117 @@
+"""Front-end coalescing: requests that wait in one front-end process go to the engine process as one.
+
+Under load the engine process's one Python thread is the limit of `rnnserve serve
+--frontends N` (H100 host, binary HTTP at concurrency 64: the engine process busy 93 %),
+and most of its work is per message: unpickling, queueing, answering and counting
+each request. A front-end therefore keeps at most :data:`MAX_IN_FLIGHT` messages per
+model in the engine process; requests that are validated while those run wait here
+and leave together, merged into one :class:`~.view.Prepared` (``requests`` = how many),
+as soon as one of them is answered. At low load nothing waits: a request leaves in the
+event-loop iteration after it was validated. Merging pads with zeros to the longest
+valid length and splitting re-pads each answer to its own request's length, exactly as
+the engine process's batching does (:func:`service.scheduler.batching.merge` and
+:func:`~service.scheduler.batching.split`), and the engine process batches the merged
+work with everything else that waits, so no answer changes (packed-sequence semantics).
+
+Only plain requests coalesce: a request with a ``timeout`` (its own deadline in the
+queue) or a stream chunk (its own stream state) goes alone, as does every request to a
+model with ``max_batch_size`` 1.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..scheduler import SequenceWork
+from ..scheduler.batching import merge, split
+from .view import ModelView, Prepared
+
+# Messages per model one front-end keeps in the engine process: the engine runs up to two
+# batches at once (one computing, the next one launched behind it), so two keep it fed.
+MAX_IN_FLIGHT = 2
+
+
+@dataclass(eq=False)
+class _Entry:
+    prepared: Prepared
+    future: asyncio.Future
+
+
+class Lane:
+    """The coalescing queue of one model version in one front-end process.
+
+    ``send(prepared)`` hands a Prepared to the engine process and returns the future of
+    its outputs. An error of merged work (StaleModelView included) fails each of its
+    requests with it, as it would have failed each alone.
+    """
+
+    def __init__(self, view: ModelView, send: Callable[[Prepared], asyncio.Future]) -> None:
+        self.view = view
+        self._send = send
+        self._waiting: list[_Entry] = []
+        self._in_flight = 0
+        self._scheduled = False
+
+    def submit(self, prepared: Prepared) -> asyncio.Future:
+        """Queue one validated request; the future gets its outputs by name (or the error)."""
+        loop = asyncio.get_running_loop()
+        entry = _Entry(prepared, loop.create_future())
+        self._waiting.append(entry)
+        if not self._scheduled and self._in_flight < MAX_IN_FLIGHT:
+            self._scheduled = True
+            loop.call_soon(self._flush)  # requests validated in this loop iteration leave together
+        return entry.future
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        while self._waiting and self._in_flight < MAX_IN_FLIGHT:
+            group = self._take()
+            if not group:
+                continue
+            if len(group) == 1:
+                prepared, batch = group[0].prepared, None
+            else:
+                batch = merge([e.prepared.work for e in group])
+                outputs = frozenset().union(*(e.prepared.work.outputs for e in group))
+                work = SequenceWork(batch.x, batch.lengths, batch.h0, batch.c0, outputs)
+                prepared = Prepared(work, None, None, len(group))
+            self._in_flight += 1
+            self._send(prepared).add_done_callback(lambda fut, g=group, b=batch: self._answer(g, b, fut))
+
+    def _take(self) -> list[_Entry]:
+        """The oldest waiting requests that fit in one batch of the model (at least one)."""
+        cap, count, n = self.view.max_batch_size, 0, 0
+        for entry in self._waiting:
+            if n and count + entry.prepared.work.sequences > cap:
+                break
+            count += entry.prepared.work.sequences
+            n += 1
+        group, self._waiting = self._waiting[:n], self._waiting[n:]
+        return [e for e in group if not e.future.done()]  # a cancelled request is not sent
+
+    def _answer(self, group: list[_Entry], batch: Any, fut: asyncio.Future) -> None:
+        self._in_flight -= 1
+        if self._waiting and not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+        if fut.cancelled():
+            for entry in group:
+                entry.future.cancel()
+            return
+        exc = fut.exception()
+        if exc is not None:
+            for entry in group:
+                if not entry.future.done():
+                    entry.future.set_exception(exc)
+            return
+        results = fut.result()
+        if batch is None:
+            if not group[0].future.done():
+                group[0].future.set_result(results)
+            return
+        parts = [e.prepared.work for e in group]
+        for entry, part in zip(group, split(None, batch, results.get("output"), results.get("h_n"),
+                                            results.get("c_n"), parts, results.get("output_last"))):
+            if not entry.future.done():
+                entry.future.set_result(part)
