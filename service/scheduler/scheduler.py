@@ -19,6 +19,10 @@ Batching policy
   The default delay is 0: a lone request never waits for company (no added latency at
   low load), and under load the queue fills while the engine computes, which batches
   as well as a delay would; measured in bench/serve.py.
+  With a batch already on the device, the next one is formed just in time: shortly
+  before the device is predicted to be free (or at once when ``max_batch_size``
+  sequences wait), so that requests arriving meanwhile still join it; see
+  :mod:`.device_clock`.
 * Grouping by length: when more sequences wait than fit in one batch, the waiting
   requests are ordered by their longest length and the batch is grown from the
   *oldest* request towards its nearest neighbours in length. Long sequences thus
@@ -61,6 +65,7 @@ import numpy as np
 from ..errors import DeadlineExceeded, RNNServeError, Unavailable
 from ..metrics import ServerMetrics
 from .batching import SequenceWork, finish_batch, launch_batch, run_batch
+from .device_clock import DeviceClock
 
 log = logging.getLogger("rnnserve.scheduler")
 
@@ -102,6 +107,9 @@ class Scheduler:
         self._inflight = max(1, int(getattr(engine, "concurrent_batches", 1)))
         self._turn = threading.Lock()
         self._busy_until = 0.0
+        # Just-in-time forming of the next batch while one runs (see device_clock).
+        self._clock = DeviceClock() if self._inflight > 1 and getattr(engine, "launches", False) else None
+        self._holding = False
         # Label lookups take a lock and hash the labels: bind this model's series once. The registry
         # removes the gauges only when the version goes away for good (not when a reload replaces it).
         self._series = None if metrics is None else SimpleNamespace(**{
@@ -171,8 +179,12 @@ class Scheduler:
         item.future.add_done_callback(lambda _: self._settled(item))
         self._waiting.append(item)
         self._set_depth()
-        self._wake.set()
+        if not self._holding or self._full():
+            self._wake.set()
         return item.future
+
+    def _full(self) -> bool:
+        return sum(w.work.sequences for w in self._waiting) >= self.max_batch_size
 
     def _expire(self, item: _Waiting) -> None:
         if item.state == _QUEUED:
@@ -207,6 +219,8 @@ class Scheduler:
         running: set[asyncio.Task] = set()
         while True:
             if self._waiting and len(running) < self._inflight:
+                if running and await self._hold():
+                    continue
                 await self._batching_window()
                 batch = self._take_batch()
                 if batch:
@@ -219,6 +233,26 @@ class Scheduler:
                 return
             self._wake.clear()
             await self._wake.wait()
+
+    async def _hold(self) -> bool:
+        """While a batch runs: wait until the device is nearly free, a batch is full or a batch ends.
+
+        Returns whether it waited (the caller then looks at the queue again).
+        """
+        if self._clock is None or self._closing:
+            return False
+        delay = self._clock.form_at() - time.perf_counter()
+        if delay <= 0 or self._full():
+            return False
+        self._holding = True
+        timer = asyncio.get_running_loop().call_later(delay, self._wake.set)
+        try:
+            self._wake.clear()
+            await self._wake.wait()
+        finally:
+            timer.cancel()
+            self._holding = False
+        return True
 
     async def _batching_window(self) -> None:
         while self._waiting and not self._closing:
@@ -284,7 +318,12 @@ class Scheduler:
         """Merge and launch on this thread, wait on a worker thread, split here (see Engine ``launches``)."""
         start = time.perf_counter()
         merged, launched = launch_batch(self.engine, parts)
-        await asyncio.get_running_loop().run_in_executor(self._executor, launched.wait)
+        steps = int(merged.x.shape[1])
+        if self._clock is not None:
+            self._clock.launched(start, time.perf_counter(), steps)
+        done = await asyncio.get_running_loop().run_in_executor(self._executor, _wait, launched)
+        if self._clock is not None:
+            self._clock.finished(start, done, steps)
         results = finish_batch(self.engine, merged, launched, parts)
         # Busy time without overlap: a batch launched while the previous one still ran counts from its end.
         end = time.perf_counter()
@@ -332,3 +371,9 @@ class Scheduler:
     def _finish(item: _Waiting, error: RNNServeError) -> None:
         if not item.future.done():
             item.future.set_exception(error)
+
+
+def _wait(launched: Any) -> float:
+    """Wait for a launched batch (worker thread); when its outputs were on the host."""
+    launched.wait()
+    return time.perf_counter()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 
@@ -390,3 +391,67 @@ async def test_a_pipelined_engine_gets_its_next_batch_while_one_runs(engine_cls,
         want = engine.inner.forward(w.x, w.lengths)
         np.testing.assert_allclose(res["output"], want.output, rtol=1e-5, atol=1e-6)
     await sched.stop()
+
+
+class StreamEngine(LaunchingEngine):
+    """A launching engine with one in-order "device" (like a CUDA stream) taking ``step_s`` per step of a batch."""
+
+    concurrent_batches = 2
+
+    def __init__(self, step_s: float) -> None:
+        super().__init__()
+        self.step_s = step_s
+        self.sizes: list[int] = []
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        threading.Thread(target=self._device, daemon=True).start()
+
+    def _device(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            job()
+
+    def launch(self, x, lengths=None, h0=None, c0=None, states_needed=True, last_only=False):
+        from service.engines.base import Launched
+
+        self.sizes.append(int(x.shape[0]))
+        event, box = _HostEvent(), {}
+
+        def work():
+            time.sleep(self.step_s * x.shape[1])
+            box["out"] = self.forward(x, lengths, h0, c0, states_needed, last_only)
+            event.done.set()
+
+        self._queue.put(work)
+        return Launched(event, lambda: box["out"])
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+
+async def test_the_next_batch_is_formed_just_before_the_device_is_free():
+    """Requests that arrive while a batch runs join one next batch, not one launched behind it at once."""
+    engine = StreamEngine(step_s=0.005)
+    sched = await _scheduler(engine, max_batch_size=8, max_queue_delay_us=0)
+    for seed in range(4):  # the scheduler learns the device's time per step
+        await sched.submit(_work(10, seed=seed))
+    first = asyncio.create_task(sched.submit(_work(10, seed=10)))  # ~50 ms on the device
+    later = []
+    for delay in (0.005, 0.015, 0.015):
+        await asyncio.sleep(delay)
+        later.append(asyncio.create_task(sched.submit(_work(10, seed=len(later) + 11))))
+    results = await asyncio.gather(first, *later)
+    assert engine.sizes[4:] == [1, 3]  # launching at once would have given [1, 1, 2]
+    for k, res in enumerate(results):
+        want = engine.inner.forward(_work(10, seed=10 + k).x)
+        np.testing.assert_allclose(res["output"], want.output, rtol=1e-6, atol=1e-7)
+    # a full batch does not wait for the device
+    first = asyncio.create_task(sched.submit(_work(10, seed=20)))
+    await asyncio.sleep(0.005)
+    full = [asyncio.create_task(sched.submit(_work(10, seed=21))) for _ in range(8)]
+    await asyncio.sleep(0.01)
+    assert engine.sizes[-1] == 8  # launched while the first still runs
+    await asyncio.gather(first, *full)
+    await sched.stop()
+    engine.close()
