@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,8 @@ def run_frontend(settings: dict[str, Any], socket_path: str, started: Any) -> No
                         format="%(asctime)s %(levelname)s %(name)s[frontend %(process)d]: %(message)s")
     try:
         fe_settings = ServeSettings(**settings)
+        # gRPC's poller thread must get the GIL from the busy event loop for every call it completes.
+        sys.setswitchinterval(fe_settings.gil_switch_interval_us / 1e6)
         code = eventloop.run(_frontend(fe_settings, socket_path, started), fe_settings.event_loop)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which exits non-zero
         started.put(("error", f"{type(exc).__name__}: {exc}"))

@@ -63,9 +63,10 @@ class ServeSettings(BaseSettings):
     )
     gil_switch_interval_us: int = Field(
         50, ge=1, le=100_000,
-        description="Python's thread switch interval in the engine process (µs). The batch worker gives up the GIL "
-                    "in every launch, copy and wait and must get it back from the busy event loop; Python's 5 ms "
-                    "default made a 1.4 ms batch take 126 ms on an H200 (bench/batch_path.py).",
+        description="Python's thread switch interval in every server process (µs). The batch worker gives up the "
+                    "GIL in every launch, copy and wait and must get it back from the busy event loop; Python's 5 ms "
+                    "default made a 1.4 ms batch take 126 ms on an H200 (bench/batch_path.py). Front-end processes: "
+                    "gRPC's poller thread needs the GIL for every call it completes.",
     )
     drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM/SIGINT, how long in-flight requests may finish.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
