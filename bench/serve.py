@@ -344,9 +344,18 @@ async def _client_cell(cell: dict) -> tuple[list[float], int]:
         if protocol == "grpc":
             import grpc
 
-            async with grpc.aio.insecure_channel(cell["grpc_url"]) as channel:
-                prepare, send = lean_grpc_sender(channel, cell["model"])
-                return await run_cell_raw(send, [prepare(p) for p in payloads], *run)
+            channels = [grpc.aio.insecure_channel(cell["grpc_url"], options=OWN_CONNECTION)
+                        for _ in range(grpc_connections(cell["concurrency"]))]
+            try:
+                senders = [lean_grpc_sender(ch, cell["model"]) for ch in channels]
+
+                async def send(raw: bytes, worker: int) -> None:  # each worker keeps to one connection
+                    await senders[worker % len(senders)][1](raw, worker)
+
+                return await run_cell_raw(send, [senders[0][0](p) for p in payloads], *run)
+            finally:
+                for ch in channels:
+                    await ch.close()
         prepare, send = lean_http_sender(cell["http_url"], cell["model"], protocol == "http-binary")
         return await run_cell_raw(send, [prepare(p) for p in payloads], *run)
     import aiohttp
@@ -363,6 +372,17 @@ async def _client_cell(cell: dict) -> tuple[list[float], int]:
                 await client.close()
         send = http_sender(session, cell["http_url"], cell["model"], protocol == "http-binary")
         return await run_cell_raw(send, payloads, *run)
+
+
+# gRPC channels of one process to one target share a connection unless told otherwise; the clients of
+# a real service come over many connections, which the front-end processes' SO_REUSEPORT spreads.
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+CALLS_PER_CONNECTION = 4
+
+
+def grpc_connections(concurrent_calls: int) -> int:
+    """gRPC connections a client process opens for ``concurrent_calls`` calls (or streams) at once."""
+    return max(1, -(-concurrent_calls // CALLS_PER_CONNECTION))
 
 
 # Client processes hand the GIL between their event loop and gRPC's poller thread on every answer;
@@ -477,7 +497,7 @@ async def stream_cell(grpc_url: str, model: str, first: int, n: int, chunks: int
     xs = [rng.standard_normal((1, steps, features)).astype(np.float32) for _ in range(8)]
     latencies: list[float] = []
     errors = 0
-    client = tga.InferenceServerClient(grpc_url)
+    clients = [tga.InferenceServerClient(grpc_url, channel_args=OWN_CONNECTION) for _ in range(grpc_connections(n))]
 
     def make_input(name, arr):
         t = tga.InferInput(name, list(arr.shape), "FP32")
@@ -503,7 +523,7 @@ async def stream_cell(grpc_url: str, model: str, first: int, n: int, chunks: int
                 inputs += [make_input("h_0", h), make_input("c_0", c)]
             t0 = time.perf_counter()
             try:
-                result = await client.infer(model, inputs, outputs=outputs, **kwargs)
+                result = await clients[k % len(clients)].infer(model, inputs, outputs=outputs, **kwargs)
             except Exception:  # noqa: BLE001 - counted; a broken stream stops
                 errors += 1
                 return
@@ -516,7 +536,8 @@ async def stream_cell(grpc_url: str, model: str, first: int, n: int, chunks: int
         spread = max(total, first + n)
         await asyncio.gather(*(one(first + k, t_start + interval * (first + k) / spread) for k in range(n)))
     finally:
-        await client.close()
+        for client in clients:
+            await client.close()
     return latencies, errors, time.perf_counter() - t_start
 
 
