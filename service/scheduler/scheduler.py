@@ -235,22 +235,25 @@ class Scheduler:
             await self._wake.wait()
 
     async def _hold(self) -> bool:
-        """While a batch runs: wait until the device is nearly free, a batch is full or a batch ends.
+        """While a batch runs: wait until the device is nearly free (host-bound: until the batch
+        ends), a batch is full or a batch ends.
 
         Returns whether it waited (the caller then looks at the queue again).
         """
-        if self._clock is None or self._closing:
+        if self._clock is None or self._closing or self._full():
             return False
         delay = self._clock.form_at() - time.perf_counter()
-        if delay <= 0 or self._full():
+        if delay <= 0 and not self._clock.host_bound():
             return False
         self._holding = True
-        timer = asyncio.get_running_loop().call_later(delay, self._wake.set)
+        # host-bound: no timer, the running batch's end (or a full queue) wakes the loop
+        timer = asyncio.get_running_loop().call_later(delay, self._wake.set) if delay > 0 else None
         try:
             self._wake.clear()
             await self._wake.wait()
         finally:
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
             self._holding = False
         return True
 
@@ -318,12 +321,12 @@ class Scheduler:
         """Merge and launch on this thread, wait on a worker thread, split here (see Engine ``launches``)."""
         start = time.perf_counter()
         merged, launched = launch_batch(self.engine, parts)
-        steps = int(merged.x.shape[1])
+        steps, returned = int(merged.x.shape[1]), time.perf_counter()
         if self._clock is not None:
-            self._clock.launched(start, time.perf_counter(), steps)
+            self._clock.launched(start, returned, steps)
         done = await asyncio.get_running_loop().run_in_executor(self._executor, _wait, launched)
         if self._clock is not None:
-            self._clock.finished(start, done, steps)
+            self._clock.finished(returned, done, steps)
         results = finish_batch(self.engine, merged, launched, parts)
         # Busy time without overlap: a batch launched while the previous one still ran counts from its end.
         end = time.perf_counter()

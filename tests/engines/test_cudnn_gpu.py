@@ -693,3 +693,35 @@ def test_launches_in_flight_together_equal_forward(torch_cuda):
     check(out, want_out)
     check(finals[0][0].get(), want_h)
     check(finals[0][1].get(), want_c)
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["batch_major", "seq_major"])
+def test_no_persist_dynamic_build_while_serving(layout):
+    """Builds compile kernels for 0.1-0.7 s: after load a call uses what was built, or STANDARD.
+
+    Sequence-major calls with equal lengths use packed IO; they reuse the padded-IO build."""
+    mod = make_torch("lstm", 16, 32, 2, seed=21)
+    model = model_from_torch(mod)
+    try:
+        eng = CudnnEngine(model, algorithm="persist_dynamic", layout=layout)
+    except EngineUnavailable as exc:
+        pytest.skip(f"cuDNN refuses persist_dynamic here: {exc}")
+    try:
+        runner = eng._runners[0]
+        assert runner.builds_allowed  # forced: still builds (tests and benches time it)
+        runner.builds_allowed = False  # what an autotuned engine does after load
+        built = dict(runner.dynamic)
+        for b in (3, 4, 5):  # 4 is a tuned bucket, 3 and 5 are not
+            x = rand((b, 10, 16), seed=30 + b)
+            lengths = np.array([10] * b)
+            out = eng.forward(x, lengths)
+            check_all(out, reference_run(model, x, lengths))
+        assert runner.dynamic == built
+    finally:
+        eng.close()
+    auto = CudnnEngine(model_from_torch(mod))
+    try:
+        assert not any(r.builds_allowed for r in auto._runners)
+    finally:
+        auto.close()

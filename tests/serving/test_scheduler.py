@@ -455,3 +455,33 @@ async def test_the_next_batch_is_formed_just_before_the_device_is_free():
     await asyncio.gather(first, *full)
     await sched.stop()
     engine.close()
+
+
+class SlowLaunchEngine(StreamEngine):
+    """Launching costs the host more than the device takes (host-bound, as small models on a GPU)."""
+
+    def launch(self, *args, **kwargs):
+        end = time.perf_counter() + 0.003
+        while time.perf_counter() < end:
+            pass
+        return super().launch(*args, **kwargs)
+
+
+async def test_a_host_bound_engine_forms_the_next_batch_when_the_last_ends():
+    engine = SlowLaunchEngine(step_s=0.0001)  # ~1 ms on the device, 3 ms to launch
+    sched = await _scheduler(engine, max_batch_size=64, max_queue_delay_us=0)
+    for seed in range(4):
+        await sched.submit(_work(10, seed=seed))
+    assert sched._clock.host_bound()
+    works = [_work(10, seed=40 + k) for k in range(40)]
+    tasks = []
+    for w in works:  # a steady stream of requests while batches run
+        tasks.append(asyncio.create_task(sched.submit(w)))
+        await asyncio.sleep(0.0005)
+    results = await asyncio.gather(*tasks)
+    sizes = engine.sizes[4:]
+    assert sum(sizes) == 40 and max(sizes) > 1
+    for w, res in zip(works, results):
+        np.testing.assert_allclose(res["output"], engine.inner.forward(w.x).output, rtol=1e-6, atol=1e-7)
+    await sched.stop()
+    engine.close()

@@ -65,6 +65,9 @@ class BlockRunner:
         self.descs: dict[tuple[int, bool], RNNDescriptor] = {}       # (algo, padded IO)
         self.dynamic: dict[tuple[int, bool], RNNDescriptor] = {}     # (batch, padded IO), PERSIST_DYNAMIC
         self.rejected: dict[int, str] = {}
+        # PERSIST_DYNAMIC compiles kernels per batch size (cudnnBuildRNNDynamic: 0.1-0.7 s on an H100).
+        # Building is allowed while the engine loads; a serving-time call must never wait for a build.
+        self.builds_allowed = True
         self.descs[(L.ALGO_STANDARD, True)] = RNNDescriptor(ctx.handle, spec, L.ALGO_STANDARD, prec)
         self.weights = upload_weights(ctx.handle, self.descs[(L.ALGO_STANDARD, True)], spec, flat, prec, ctx.stream,
                                       force_per_matrix)
@@ -85,6 +88,10 @@ class BlockRunner:
         if algo == L.ALGO_PERSIST_DYNAMIC:
             desc = self.dynamic.get((batch, padded))
             if desc is None:
+                if not self.builds_allowed:
+                    # At serving time a build stalled every request of the process for its duration
+                    # (H100: 6 builds of 0.13 s each under streaming load); the caller runs STANDARD.
+                    raise AlgorithmRejected(f"PERSIST_DYNAMIC is not built for a batch of {batch}")
                 desc = self._new(algo, padded)
                 try:
                     desc.build_dynamic(batch)
@@ -134,6 +141,8 @@ class BlockRunner:
         """The descriptor for the call, with the data descriptors set; (descriptor, workspace bytes)."""
         # Equal lengths in sequence-major order: packed IO without padding, as PyTorch runs it.
         packed = seq_major and lens_key[-1] is None
+        if packed and algo == L.ALGO_PERSIST_DYNAMIC and (batch, False) not in self.dynamic:
+            packed = False  # equal lengths in padded IO are the same memory: use the build for padded IO
         desc = self.descriptor(algo, batch, padded=not packed)
         key = (seq_major, lens_key)
         self.x_desc.set(key, batch, steps, lens_host, seq_major, packed)

@@ -143,6 +143,8 @@ class CudnnEngine(Engine):
                 self._table = self._tune(autotune, steps, graph=budget > 0)
                 self._tune_layouts(autotune, steps)
                 self._warm_paths(steps)
+                for runner in self._runners:  # (a forced PERSIST_DYNAMIC, for tests and benches, still builds)
+                    runner.builds_allowed = self._forced == L.ALGO_PERSIST_DYNAMIC
                 if budget > 0:  # after tuning and warm-up, whose calls are not uses of a shape
                     self._graphs = GraphRuns(cp, self._ctx, self._runners, self._prec.store, budget << 20)
         except L.CudnnError as exc:
