@@ -26,7 +26,9 @@ chunks statelessly (the client sends h_0/c_0 and reads back h_n/c_n). It prints
 chunks/s and p50/p99 chunk latency for both, twice: closed loop (each stream sends its
 next chunk when the answer arrives: the server's saturation) and paced like live
 sources (--chunk-interval-ms, default one chunk per stream every 100 ms, which is real
-time for 10 ms frames). Streams are split over --clients load-generating processes.
+time for 10 ms frames). Streams are split over --clients load-generating processes,
+which send raw gRPC calls with Triton's sequence parameters (--client lean) or use
+tritonclient.grpc.aio (--client standard).
 From the server's /metrics, each streams row also shows "server ms" (mean time a chunk
 spent in the engine process, queue included: the rest of p50 is the client, gRPC and
 front-ends), "avg batch" (chunks per engine batch) and "batch ms" (engine time per batch).
@@ -480,23 +482,10 @@ async def bench(args: argparse.Namespace, http_url: str, grpc_url: str | None, m
 # ---- streams ------------------------------------------------------------------------------------------------
 
 
-async def stream_cell(grpc_url: str, model: str, first: int, n: int, chunks: int, steps: int, features: int,
-                      stateful: bool, state_shape: tuple[int, int], interval: float = 0.0,
-                      base: int = 0, total: int = 0) -> tuple[list[float], int, float]:
-    """Streams ``first..first+n-1``, concurrently, each sending ``chunks`` chunks of ``steps`` steps in order.
-
-    ``interval`` 0: each stream sends its next chunk as soon as the previous answer arrives
-    (closed loop: the server's saturation). ``interval`` > 0: stream k sends chunk j at
-    ``start + offset_k + j * interval`` (or at once when the answer to j-1 came later), like a
-    live source producing ``steps`` frames every ``interval`` seconds; offsets spread the streams
-    over one interval (``total``: the streams of all processes). Returns (latencies in s, errors, elapsed s).
-    """
+def standard_chunk_sender(grpc_url: str, model: str, n: int):
+    """tritonclient.grpc.aio, as a user writes it: ``send(k, x, seq, h, c)`` -> (h_n, c_n) or None."""
     import tritonclient.grpc.aio as tga
 
-    rng = np.random.default_rng(3)
-    xs = [rng.standard_normal((1, steps, features)).astype(np.float32) for _ in range(8)]
-    latencies: list[float] = []
-    errors = 0
     clients = [tga.InferenceServerClient(grpc_url, channel_args=OWN_CONNECTION) for _ in range(grpc_connections(n))]
 
     def make_input(name, arr):
@@ -504,44 +493,105 @@ async def stream_cell(grpc_url: str, model: str, first: int, n: int, chunks: int
         t.set_data_from_numpy(arr)
         return t
 
+    async def send(k: int, x: np.ndarray, seq: dict | None, h: np.ndarray, c: np.ndarray):
+        inputs = [make_input("input", x)]
+        if seq is None:
+            inputs += [make_input("h_0", h), make_input("c_0", c)]
+        wanted = ["output"] if seq is not None else ["output", "h_n", "c_n"]
+        result = await clients[k % len(clients)].infer(model, inputs, outputs=[tga.InferRequestedOutput(o) for o in wanted],
+                                                       **(seq or {}))
+        return None if seq is not None else (result.as_numpy("h_n"), result.as_numpy("c_n"))
+
+    async def close() -> None:
+        for client in clients:
+            await client.close()
+
+    return send, close
+
+
+def lean_chunk_sender(grpc_url: str, model: str, n: int):
+    """Raw ModelInfer calls (raw_input_contents, Triton's sequence parameters): the client's own cost is small."""
+    import grpc
+    from service.transports.grpc.generated import inference_pb2 as pb
+
+    channels = [grpc.aio.insecure_channel(grpc_url, options=OWN_CONNECTION) for _ in range(grpc_connections(n))]
+    calls = [ch.unary_unary("/inference.GRPCInferenceService/ModelInfer") for ch in channels]
+
+    async def send(k: int, x: np.ndarray, seq: dict | None, h: np.ndarray, c: np.ndarray):
+        req = pb.ModelInferRequest(model_name=model)
+        arrays = [("input", x)] if seq is not None else [("input", x), ("h_0", h), ("c_0", c)]
+        for name, arr in arrays:
+            req.inputs.add(name=name, datatype="FP32", shape=list(arr.shape))
+            req.raw_input_contents.append(arr.tobytes())
+        for name in (("output",) if seq is not None else ("output", "h_n", "c_n")):
+            req.outputs.add(name=name)
+        if seq is not None:
+            req.parameters["sequence_id"].int64_param = seq["sequence_id"]
+            req.parameters["sequence_start"].bool_param = seq["sequence_start"]
+            req.parameters["sequence_end"].bool_param = seq["sequence_end"]
+        resp = pb.ModelInferResponse.FromString(await calls[k % len(calls)](req.SerializeToString()))
+        raw = [np.frombuffer(r, np.float32) for r in resp.raw_output_contents]
+        return None if seq is not None else (raw[1].reshape(h.shape), raw[2].reshape(c.shape))
+
+    async def close() -> None:
+        for ch in channels:
+            await ch.close()
+
+    return send, close
+
+
+async def stream_cell(grpc_url: str, model: str, first: int, n: int, chunks: int, steps: int, features: int,
+                      stateful: bool, state_shape: tuple[int, int], interval: float = 0.0,
+                      base: int = 0, total: int = 0, client: str = "lean"
+                      ) -> tuple[list[float], int, float, list[float]]:
+    """Streams ``first..first+n-1``, concurrently, each sending ``chunks`` chunks of ``steps`` steps in order.
+
+    ``interval`` 0: each stream sends its next chunk as soon as the previous answer arrives
+    (closed loop: the server's saturation). ``interval`` > 0: stream k sends chunk j at
+    ``start + offset_k + j * interval`` (or at once when the answer to j-1 came later), like a
+    live source producing ``steps`` frames every ``interval`` seconds; offsets spread the streams
+    over one interval (``total``: the streams of all processes). ``client``: "lean" (raw gRPC
+    calls) or "standard" (tritonclient.grpc.aio). Returns (latencies in s, errors, elapsed s, send times).
+    """
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal((1, steps, features)).astype(np.float32) for _ in range(8)]
+    latencies: list[float] = []
+    sends: list[float] = []  # perf_counter (CLOCK_MONOTONIC: one clock for every process) of each send
+    errors = 0
+    send, close = (lean_chunk_sender if client == "lean" else standard_chunk_sender)(grpc_url, model, n)
+
     async def one(k: int, start: float) -> None:
         nonlocal errors
         h = np.zeros((1, *state_shape), np.float32)
         c = np.zeros((1, *state_shape), np.float32)
-        wanted = ["output"] if stateful else ["output", "h_n", "c_n"]
-        outputs = [tga.InferRequestedOutput(o) for o in wanted]
         for j in range(chunks):
             if interval:
                 delay = start + j * interval - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-            inputs = [make_input("input", xs[(k + j) % len(xs)])]
-            kwargs = {}
-            if stateful:
-                kwargs = dict(sequence_id=base + k + 1, sequence_start=j == 0, sequence_end=j == chunks - 1)
-            else:
-                inputs += [make_input("h_0", h), make_input("c_0", c)]
+            seq = (dict(sequence_id=base + k + 1, sequence_start=j == 0, sequence_end=j == chunks - 1)
+                   if stateful else None)
             t0 = time.perf_counter()
             try:
-                result = await clients[k % len(clients)].infer(model, inputs, outputs=outputs, **kwargs)
+                states = await send(k, xs[(k + j) % len(xs)], seq, h, c)
             except Exception:  # noqa: BLE001 - counted; a broken stream stops
                 errors += 1
                 return
             latencies.append(time.perf_counter() - t0)
-            if not stateful:
-                h, c = result.as_numpy("h_n"), result.as_numpy("c_n")
+            sends.append(t0)
+            if states is not None:
+                h, c = states
 
     t_start = time.perf_counter()
     try:
         spread = max(total, first + n)
         await asyncio.gather(*(one(first + k, t_start + interval * (first + k) / spread) for k in range(n)))
     finally:
-        for client in clients:
-            await client.close()
-    return latencies, errors, time.perf_counter() - t_start
+        await close()
+    return latencies, errors, time.perf_counter() - t_start, sends
 
 
-def _stream_process(job: dict) -> tuple[list[float], int, float]:
+def _stream_process(job: dict) -> tuple[list[float], int, float, list[float]]:
     sys.setswitchinterval(CLIENT_SWITCH_INTERVAL_S)
     return asyncio.run(stream_cell(**job))
 
@@ -559,14 +609,29 @@ def run_streams(job: dict, n: int, clients: int) -> dict:
     else:
         with mp.get_context("spawn").Pool(clients) as pool:
             results = pool.map(_stream_process, jobs)
-    latencies = [lat for lats, _, _ in results for lat in lats]
-    elapsed = max(e for _, _, e in results)
+    latencies = [lat for lats, _, _, _ in results for lat in lats]
+    sends = np.asarray([t for _, _, _, ts in results for t in ts])
+    elapsed = max(e for _, _, e, _ in results)
     lat = np.asarray(latencies) * 1000
     return {"mode": "stateful" if job["stateful"] else "stateless", "streams": n, "chunks": len(latencies),
             "chunk_steps": job["steps"], "interval_ms": job["interval"] * 1000, "clients": clients,
-            "errors": sum(e for _, e, _ in results), "chunks_per_s": len(latencies) / elapsed,
+            "errors": sum(e for _, e, _, _ in results), "chunks_per_s": len(latencies) / elapsed,
             "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
-            "p99_ms": float(np.percentile(lat, 99)) if lat.size else None}
+            "p99_ms": float(np.percentile(lat, 99)) if lat.size else None, **_tail(sends, lat)}
+
+
+def _tail(sends: np.ndarray, lat_ms: np.ndarray, slow_ms: float = 10.0, window_s: float = 0.1) -> dict:
+    """Where the slow chunks were: stalls (a few windows hold most) or spread over the run.
+
+    ``slow_in_worst_5``: the share of chunks slower than ``slow_ms`` that were sent in the five
+    ``window_s`` windows holding the most of them.
+    """
+    slow = lat_ms > slow_ms
+    if not slow.any():
+        return {"slow_chunks": 0, "slow_in_worst_5": None}
+    windows = np.floor((sends[slow] - sends.min()) / window_s).astype(np.int64)
+    counts = np.sort(np.bincount(windows))[::-1]
+    return {"slow_chunks": int(slow.sum()), "slow_in_worst_5": float(counts[:5].sum() / slow.sum())}
 
 
 async def bench_streams(args: argparse.Namespace, http_url: str, grpc_url: str | None) -> list[dict]:
@@ -584,7 +649,7 @@ async def bench_streams(args: argparse.Namespace, http_url: str, grpc_url: str |
     h_shape = next(i["shape"] for i in meta["inputs"] if i["name"] == "h_0")
     state_shape = (int(h_shape[1]), int(h_shape[2]))
     job = {"grpc_url": grpc_url, "model": args.stream_model, "steps": args.chunk_steps, "features": args.features,
-           "state_shape": state_shape, "base": int(time.time() * 1000) % 1_000_000 * 10_000}
+           "state_shape": state_shape, "base": int(time.time() * 1000) % 1_000_000 * 10_000, "client": args.client}
     # warm the model (first batches of each size) before measuring
     await stream_cell(first=0, n=16, chunks=3, stateful=True, interval=0.0, **job)
     rows = []
@@ -609,13 +674,14 @@ def _format_stream_row(r: dict) -> str:
     pace = f"{r['interval_ms']:.0f} ms" if r["interval_ms"] else "closed"
     return (f"| {r['mode']:<9} | {pace:>8} | {r['streams']:>7} | {r['chunks']:>6} | {r['chunks_per_s']:>9.1f} | "
             f"{num(r['p50_ms'], '.2f'):>8} | {num(r['p99_ms'], '.2f'):>8} | {num(r.get('server_ms'), '.2f'):>9} | "
-            f"{num(r.get('avg_batch'), '.1f'):>9} | {num(r.get('batch_ms'), '.2f'):>8} | {r['errors']:>6} |")
+            f"{num(r.get('avg_batch'), '.1f'):>9} | {num(r.get('batch_ms'), '.2f'):>8} | {r['slow_chunks']:>6} | "
+            f"{num(None if r['slow_in_worst_5'] is None else 100 * r['slow_in_worst_5'], '.0f'):>7} | {r['errors']:>6} |")
 
 
 STREAM_HEAD = ("| mode      |   sends  | streams | chunks |  chunks/s |  p50 ms  |  p99 ms  | server ms | avg batch | batch ms "
-               "| errors |\n"
+               "| >10 ms | worst5% | errors |\n"
                "|-----------|---------:|--------:|-------:|----------:|---------:|---------:|----------:|----------:|---------:"
-               "|-------:|")
+               "|-------:|--------:|-------:|")
 
 
 async def _ready(http_url: str) -> None:
