@@ -28,7 +28,6 @@ from __future__ import annotations
 
 SMOOTHING = 0.2  # weight of the newest batch in the moving averages
 MARGIN_S = 100e-6  # form the next batch this much earlier than strictly needed (event wake-up, jitter)
-BUSY_LAG_S = 1e-3  # the event loop took this long to handle a finished batch: it is saturated
 
 
 class DeviceClock:
@@ -39,7 +38,6 @@ class DeviceClock:
         self.lead = 0.0  # host seconds from forming a batch to its launch returning
         self.free_at = 0.0  # predicted end of the last launched batch
         self.device_s = 0.0  # predicted device time of the last launched batch
-        self.lag = 0.0  # how long the event loop took to take up a finished batch (moving average)
         self._last_done = 0.0
 
     def launched(self, formed: float, returned: float, steps: int) -> None:
@@ -60,24 +58,18 @@ class DeviceClock:
         if seconds > 0:
             self.per_step = _average(self.per_step, seconds / max(1, steps))
 
-    def taken_up(self, done: float, now: float) -> None:
-        """The event loop took up the batch finished at ``done`` at ``now``."""
-        self.lag = _average(self.lag, max(0.0, now - done))
-
     def form_at(self) -> float:
         """When to form the next batch so that it is launched as the device gets free."""
         return self.free_at - self.lead - MARGIN_S
 
     def host_bound(self) -> bool:
-        """Whether the host is the bottleneck: launching a batch takes it longer than the device takes
-        to run one, and its event loop is late to take up finished batches (saturated).
+        """Whether launching a batch takes the host longer than the device takes to run one.
 
         Then a second batch launched behind the first would not start any sooner on the device
         than after the first is done, and forming it early only splits the waiting requests into
-        more, smaller batches, each costing the host a whole launch. A host with time to spare
-        launches at once instead: waiting would only add latency.
+        more, smaller batches, each costing the host a whole launch.
         """
-        return self.per_step is not None and self.lead >= self.device_s and self.lag >= BUSY_LAG_S
+        return self.per_step is not None and self.lead >= self.device_s
 
 
 def _average(old: float | None, new: float) -> float:

@@ -327,7 +327,6 @@ class Scheduler:
         done = await asyncio.get_running_loop().run_in_executor(self._executor, _wait, launched)
         if self._clock is not None:
             self._clock.finished(returned, done, steps)
-            self._clock.taken_up(done, time.perf_counter())
         results = finish_batch(self.engine, merged, launched, parts)
         # Busy time without overlap: a batch launched while the previous one still ran counts from its end.
         end = time.perf_counter()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.scheduler.device_clock import BUSY_LAG_S, MARGIN_S, DeviceClock
+from service.scheduler.device_clock import MARGIN_S, DeviceClock
 
 
 def test_the_clock_learns_time_per_step_and_queues_batches_behind_each_other():
@@ -29,9 +29,6 @@ def test_host_bound_when_launching_takes_longer_than_the_device():
     clock.launched(0.0, 0.001, 10)
     clock.finished(0.001, 0.0015, 10)  # 0.05 ms per step
     clock.launched(1.0, 1.001, 10)  # 1 ms to launch, 0.5 ms on the device
-    assert not clock.host_bound()  # but the event loop takes up finished batches at once: time to spare
-    for _ in range(20):
-        clock.taken_up(2.0, 2.0 + 2 * BUSY_LAG_S)  # a saturated event loop
     assert clock.host_bound()
     clock.launched(2.0, 2.0002, 200)  # 0.2 ms to launch (averaged), 10 ms on the device
     assert not clock.host_bound()

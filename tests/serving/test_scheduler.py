@@ -467,10 +467,7 @@ class SlowLaunchEngine(StreamEngine):
         return super().launch(*args, **kwargs)
 
 
-async def test_a_host_bound_engine_forms_the_next_batch_when_the_last_ends(monkeypatch):
-    from service.scheduler import device_clock
-
-    monkeypatch.setattr(device_clock, "BUSY_LAG_S", 0.0)  # as if the event loop were saturated
+async def test_a_host_bound_engine_forms_the_next_batch_when_the_last_ends():
     engine = SlowLaunchEngine(step_s=0.0001)  # ~1 ms on the device, 3 ms to launch
     sched = await _scheduler(engine, max_batch_size=64, max_queue_delay_us=0)
     for seed in range(4):
