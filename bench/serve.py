@@ -628,10 +628,12 @@ def _tail(sends: np.ndarray, lat_ms: np.ndarray, slow_ms: float = 10.0, window_s
     """
     slow = lat_ms > slow_ms
     if not slow.any():
-        return {"slow_chunks": 0, "slow_in_worst_5": None}
+        return {"slow_chunks": 0, "slow_in_worst_5": None, "worst_windows_s": []}
     windows = np.floor((sends[slow] - sends.min()) / window_s).astype(np.int64)
-    counts = np.sort(np.bincount(windows))[::-1]
-    return {"slow_chunks": int(slow.sum()), "slow_in_worst_5": float(counts[:5].sum() / slow.sum())}
+    per_window = np.bincount(windows)
+    worst = np.argsort(per_window)[::-1][:5]
+    return {"slow_chunks": int(slow.sum()), "slow_in_worst_5": float(per_window[worst].sum() / slow.sum()),
+            "worst_windows_s": [round(float(w * window_s), 2) for w in worst if per_window[w]]}
 
 
 async def bench_streams(args: argparse.Namespace, http_url: str, grpc_url: str | None) -> list[dict]:
@@ -675,7 +677,8 @@ def _format_stream_row(r: dict) -> str:
     return (f"| {r['mode']:<9} | {pace:>8} | {r['streams']:>7} | {r['chunks']:>6} | {r['chunks_per_s']:>9.1f} | "
             f"{num(r['p50_ms'], '.2f'):>8} | {num(r['p99_ms'], '.2f'):>8} | {num(r.get('server_ms'), '.2f'):>9} | "
             f"{num(r.get('avg_batch'), '.1f'):>9} | {num(r.get('batch_ms'), '.2f'):>8} | {r['slow_chunks']:>6} | "
-            f"{num(None if r['slow_in_worst_5'] is None else 100 * r['slow_in_worst_5'], '.0f'):>7} | {r['errors']:>6} |")
+            f"{num(None if r['slow_in_worst_5'] is None else 100 * r['slow_in_worst_5'], '.0f'):>7} | {r['errors']:>6} |"
+            + (f" worst windows at {r['worst_windows_s']} s" if r.get("worst_windows_s") else ""))
 
 
 STREAM_HEAD = ("| mode      |   sends  | streams | chunks |  chunks/s |  p50 ms  |  p99 ms  | server ms | avg batch | batch ms "
