@@ -17,6 +17,19 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KERAS_BACKEND=torch
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/env.log"
 python3 -c "import cupy, torch, numpy; print('cupy', cupy.__version__, 'torch', torch.__version__, 'numpy', numpy.__version__)" >> "$OUT/env.log" 2>&1
+# the profiled server's repository (the benchmark's two models) and its readiness
+profile_repository() {
+  python3 -c "import sys; sys.path.insert(0, 'bench'); import serve, pathlib; r = pathlib.Path('/tmp/prepo'); \
+serve.write_repository(r, 40, 128, 1); serve.write_stream_model(r, 40, 256, 2)"
+}
+wait_ready() {
+  python3 -c "
+import time, urllib.request
+for _ in range(240):
+    try:
+        if urllib.request.urlopen('http://127.0.0.1:18000/v2/health/ready', timeout=2).status == 200: break
+    except Exception: time.sleep(0.5)"
+}
 rc=0
 if [ "$what" = all ] || [ "$what" = tests ]; then
   timeout 270 python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
@@ -30,17 +43,11 @@ fi
 if [ "$what" = profile ]; then
   # py-spy travels in .gpu-wheels (installed into /tmp/site with the rest)
   spy=/tmp/site/bin/py-spy
-  python3 -c "import sys; sys.path.insert(0, 'bench'); import serve, pathlib; r = pathlib.Path('/tmp/prepo'); \
-serve.write_repository(r, 40, 128, 1); serve.write_stream_model(r, 40, 256, 2)"
+  profile_repository
   python3 -m service.cli serve --repository /tmp/prepo --host 127.0.0.1 --http-port 18000 --grpc-port 18001 \
     --device cuda --frontends ${FRONTENDS:-6} --log-level warning > "$OUT/profile_server.log" 2>&1 &
   spid=$!
-  python3 -c "
-import time, urllib.request
-for _ in range(240):
-    try:
-        if urllib.request.urlopen('http://127.0.0.1:18000/v2/health/ready', timeout=2).status == 200: break
-    except Exception: time.sleep(0.5)"
+  wait_ready
   for proto in ${PROTOS:-http-binary grpc streams}; do
     if [ $proto = streams ]; then
       python3 bench/serve.py --url 127.0.0.1:18000 --grpc-url 127.0.0.1:18001 --scenario streams --device cuda \
@@ -60,18 +67,12 @@ for _ in range(240):
   kill -TERM $spid; wait $spid
 fi
 if [ "$what" = cprofile ]; then
-  python3 -c "import sys; sys.path.insert(0, 'bench'); import serve, pathlib; r = pathlib.Path('/tmp/prepo'); \
-serve.write_repository(r, 40, 128, 1); serve.write_stream_model(r, 40, 256, 2)"
+  profile_repository
   python3 -m cProfile -o "$OUT/engine.prof" -m service.cli serve --repository /tmp/prepo --host 127.0.0.1 \
     --http-port 18000 --grpc-port 18001 --device cuda --frontends ${FRONTENDS:-6} --log-level warning \
     > "$OUT/cprofile_server.log" 2>&1 &
   spid=$!
-  python3 -c "
-import time, urllib.request
-for _ in range(240):
-    try:
-        if urllib.request.urlopen('http://127.0.0.1:18000/v2/health/ready', timeout=2).status == 200: break
-    except Exception: time.sleep(0.5)"
+  wait_ready
   for model in bench bench_nobatch; do
     python3 bench/serve.py --url 127.0.0.1:18000 --grpc-url 127.0.0.1:18001 --no-compare --protocols http-binary \
       --model $model --concurrency 64 --duration 6 --warmup 1 --clients 4 --scenario requests 2>&1 | tee -a "$OUT/cprofile_load.log"
