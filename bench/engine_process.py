@@ -22,8 +22,7 @@ import asyncio
 import cProfile
 import itertools
 import multiprocessing
-import os
-import pickle
+import shutil
 import sys
 import tempfile
 import time
@@ -91,7 +90,7 @@ def _client(path: str, model: str, generation: int, concurrency: int, seconds: f
     """Send submit frames with ``concurrency`` outstanding for ``seconds``; report requests done.
 
     ``per_submit`` > 1: each frame carries that many requests merged, as a front-end's coalescer sends them."""
-    from service.dataplane.remote import _frame, FrameConnection
+    from service.dataplane.remote import FrameConnection
     from service.dataplane.view import Prepared
     from service.scheduler import SequenceWork
 
@@ -145,7 +144,7 @@ async def _serve(args, repo: Path, model: str, profile: cProfile.Profile | None)
     registry = ModelRegistry(repo, device="cpu")
     dataplane = DataPlane(registry)
     await dataplane.start()
-    path = str(Path(tempfile.mkdtemp()) / "engine.sock")
+    path = str(repo / "engine.sock")
     server = DataPlaneServer(dataplane, path)
     await server.start()
     generation = dataplane.model_view(model).generation
@@ -188,6 +187,13 @@ def main() -> None:
     spec_engine = lambda model, device="cpu", **_: StandInEngine(model.spec, args.gpu_ms, args.launch_ms)  # noqa: E731
     registry_module.create_engine = spec_engine
     repo = Path(tempfile.mkdtemp(prefix="rnnserve-ep-"))
+    try:
+        _table(args, repo, serve)
+    finally:
+        shutil.rmtree(repo, ignore_errors=True)
+
+
+def _table(args: argparse.Namespace, repo: Path, serve) -> None:
     serve.write_repository(repo, 40, 128, 1)
     print(f"engine process alone: stand-in engine (launch {args.launch_ms} ms GIL-held, wait {args.gpu_ms} ms), "
           f"concurrency {args.concurrency}, {args.seconds}s per row, lengths 20..200, output_last")

@@ -49,8 +49,8 @@ def main() -> int:
         setattr(engine, name, timed)
     rng = np.random.default_rng(0)
     long_x = rng.standard_normal((64, 1500, 40)).astype(np.float32)
-    print(f"launch phases, host ms (median of 30), LSTM I=40 H=128, lengths 20..200, last_only; busy = right after "
-          f"launching a 64 x 1500-step batch")
+    print("launch phases, host ms (median of 30), LSTM I=40 H=128, lengths 20..200, last_only; busy = right after "
+          "launching a 64 x 1500-step batch")
     print("| B | x MB | GPU | launch ms | " + " | ".join(p.strip("_") for p in PHASES) + " | wait ms |")
     print("|--:|--:|---|--:|" + "--:|" * len(PHASES) + "--:|")
     for b in (1, 12, 32, 64):
