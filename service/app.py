@@ -53,8 +53,8 @@ def _device_memory_reader(device: str) -> tuple[str, Callable[[], float]]:
             import cupy  # noqa: F401 - only present with the gpu extra
 
             return "cuda:0", lambda: float(cupy.get_default_memory_pool().used_bytes())
-        except Exception:  # noqa: BLE001 - no CUDA stack: report the CPU
-            pass
+        except Exception as exc:  # noqa: BLE001 - no CUDA stack: report the CPU
+            log.debug("device memory metric: no CuPy (%s); reporting the CPU", exc)
     return "cpu", lambda: 0.0
 
 

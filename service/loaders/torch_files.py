@@ -105,15 +105,20 @@ def _what_is_it(path: Path, head: bytes) -> str:
     if head.startswith(b"\x89HDF"):
         return "it is an HDF5 file (Keras .h5?); use --format keras"
     if head[:1] == b"\x08":  # protobuf field 1 (ir_version), as every ONNX model starts
-        try:
-            import onnx
-
-            model = onnx.load(str(path), load_external_data=False)
-            if model.graph.node or model.opset_import:
-                return "it is an ONNX model; convert it with --format onnx (and a .onnx extension)"
-        except Exception:  # not ONNX after all: fall through to the generic answer
-            pass
+        if _is_onnx(path):
+            return "it is an ONNX model; convert it with --format onnx (and a .onnx extension)"
     return f"it starts with bytes {head[:8]!r}, which is neither zip, pickle nor safetensors (truncated or corrupt?)"
+
+
+def _is_onnx(path: Path) -> bool:
+    """Whether ``path`` parses as an ONNX model with a graph or opsets (False when it does not parse)."""
+    try:
+        import onnx
+
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - any parse failure means: not ONNX
+        return False
+    return bool(model.graph.node or model.opset_import)
 
 
 def _read_safetensors(path: Path) -> TensorFile:

@@ -14,11 +14,15 @@ forms the next batch only shortly before that (``lead``: how long merging and la
 a batch take on the host), so it holds everything that arrived meanwhile, and the
 device still never waits for it. The prediction is learned from the batches themselves:
 a batch's device time is the time from its start (the return of its launch, or the end of
-the batch before it, whichever is later) to when its outputs were on the host, and the clock
-keeps a moving average of that time per step of the batch's longest sequence. When launching takes the host longer than the device takes to run a batch
-(:meth:`DeviceClock.host_bound`: small models, short chunks), the next batch waits for the
-running one to finish instead: measured on an H100 at concurrency 64, batches of ~20
-instead of ~13 and 10.9k instead of 9.9k requests/s. A
+the batch before it, whichever is later) to when its outputs were on the host, and the
+clock keeps a moving average of that time per step of the batch's longest sequence.
+
+When launching takes the host longer than the device takes to run a batch
+(:meth:`DeviceClock.host_bound`: small models, short chunks), the next batch waits for
+the running one to finish instead. On an H100 at concurrency 64, one batch in flight
+gave batches of ~20 sequences and 10.9k requests/s against ~13 and 9.9k with two
+(bench/results/h100-2026-11-22b/experiment_lanes_concurrency.log); with this rule the
+batches hold ~20 again (serve_gpu.log). A
 prediction that is too long costs a short idle gap (the next batch forms when the last
 one is done, as with one batch in flight); one that is too short launches early, as
 before. The clock sees only its own model's batches: other models on the same device

@@ -16,7 +16,6 @@ results are returned as float32, since NumPy and CuPy have no bfloat16 dtype.
 """
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from dataclasses import replace
@@ -31,14 +30,14 @@ from ..base import (BlockState, Engine, EngineOutput, Launched, check_block_stat
 from . import library as L
 from .autotune import LONG_FACTOR, AlgoTable, BucketChoice, Group, Trial, batch_buckets, choose, plan
 from .block import AlgorithmRejected
-from .copies import gather_rows, last_steps, swap01, warm
+from .copies import gather_rows, last_steps, swap01
 from .graphs import SETUP_LOCK, GraphRuns
-from .transfer import download_async
+from .transfer import download_results
+from .warmup import warm_paths
 
 OUTPUT_DEVICES = ("host", "device")
 LAYOUTS = ("batch_major", "seq_major")
 
-log = logging.getLogger("rnnserve.engines.cudnn")
 
 
 def _import_cupy():
@@ -142,7 +141,7 @@ class CudnnEngine(Engine):
                 budget = cfg.cuda_graph_memory_mb if graph_memory_mb is None else int(graph_memory_mb)
                 self._table = self._tune(autotune, steps, graph=budget > 0)
                 self._tune_layouts(autotune, steps)
-                self._warm_paths(steps)
+                warm_paths(self, steps)
                 for runner in self._runners:  # (a forced PERSIST_DYNAMIC, for tests and benches, still builds)
                     runner.builds_allowed = self._forced == L.ALGO_PERSIST_DYNAMIC
                 if budget > 0:  # after tuning and warm-up, whose calls are not uses of a shape
@@ -161,37 +160,6 @@ class CudnnEngine(Engine):
         self.load_ms = (time.perf_counter() - started) * 1000.0
 
     # -- load -------------------------------------------------------------------------------------
-
-    def _warm_paths(self, steps: int) -> None:
-        """Run each batch path once at load (ragged groups, padded runs, stream states).
-
-        CuPy compiles a kernel (NVRTC, tens of ms) the first time an indexing pattern or
-        dtype meets it; profiled under load on an H200, that was 7 % of the first seconds of
-        serving, and a long stall for the requests of those batches.
-        """
-        warm(self._cp)
-        try:
-            self._run_warm_batches(max(2, steps))
-        except Exception as exc:  # noqa: BLE001 - a shape it cannot run fails that request, not the load
-            log.warning("model %s: warming the batch paths failed (%s: %s); kernels compile on first use",
-                        self.model.name or "?", type(exc).__name__, exc)
-
-    def _run_warm_batches(self, t: int) -> None:
-        feat = self.spec.blocks[0].input_size
-        for b in self._buckets:
-            if b < 4:
-                continue
-            x = np.zeros((b, t, feat), np.float32)
-            lens = np.where(np.arange(b) % 2 == 0, t, 1).astype(np.int64)
-            self.forward(x, lens)
-            self.forward(x, lens, last_only=True)
-            if self.spec.causal:
-                self.forward(x, lens, states_needed=False)
-                self.forward(x, lens, states_needed=False, last_only=True)
-            _, finals = self.forward_blocks(x[:2], lens[:2])
-            states = self.gather_states([finals, None], [2, b - 2])
-            self.forward_blocks(x, lens, states)
-        self._ctx.stream.synchronize()
 
     def _build_runners(self, runner_cls, prec, force_per_matrix: bool):
         """Create every block's descriptors and weights; returns the precision cuDNN accepted.
@@ -648,30 +616,6 @@ class CudnnEngine(Engine):
         return EngineOutput(y, h_n, c_n)
 
     def _download(self, y, hy, cy, out_dtype, last_only: bool) -> Launched:
-        """Queue the copies of the results to pinned host memory; the Launched waits for them.
-
-        ``last_only``: ``y`` is the [B, F] many-to-one result, handed back as ``last``.
-        """
-        cp, conv = self._cp, self._conv
-        y = conv.from_store(y, out_dtype)
-        hy = None if hy is None else conv.from_store(hy, out_dtype)
-        cy = None if cy is None else conv.from_store(cy, out_dtype)
-        # A sequence-major result is a transposed view of a contiguous [T, B, F] buffer: copy that
-        # buffer and hand back the same view of it on the host.
-        transposed = y.ndim == 3 and not y.flags.c_contiguous and y.transpose(1, 0, 2).flags.c_contiguous
-        if not transposed and not y.flags.c_contiguous:
-            y = cp.ascontiguousarray(y)
-        arrays = [a for a in (y.transpose(1, 0, 2) if transposed else y, hy, cy) if a is not None]
-        host = download_async(cp, arrays, self._ctx.stream)
-        done = cp.cuda.Event(block=self._blocking_sync, disable_timing=True)
-        done.record(self._ctx.stream)
-
-        def finish() -> EngineOutput:
-            out = host.pop(0)
-            if transposed:
-                out = out.transpose(1, 0, 2)
-            h_n = None if hy is None else np.ascontiguousarray(host.pop(0).transpose(1, 0, 2))
-            c_n = None if cy is None else np.ascontiguousarray(host.pop(0).transpose(1, 0, 2))
-            return EngineOutput(None, h_n, c_n, last=out) if last_only else EngineOutput(out, h_n, c_n)
-
-        return Launched(done, finish)
+        """Queue the results' copies to pinned host memory (see :func:`.transfer.download_results`)."""
+        return download_results(self._cp, self._conv, self._ctx.stream, self._blocking_sync, y, hy, cy, out_dtype,
+                                last_only)

@@ -8,8 +8,11 @@ second pass on the host.
 """
 from __future__ import annotations
 
+from typing import Any
 
 import numpy as np
+
+from ..base import EngineOutput, Launched
 
 _ALIGN = 256
 DIRECT_BYTES = 1 << 20
@@ -129,3 +132,34 @@ def download_async(cp, arrays: list, stream) -> list[np.ndarray]:
             cp.cuda.runtime.memcpyAsync(host.ctypes.data, a.data.ptr, nbytes, _D2H, stream.ptr)
         out.append(host)
     return out
+
+
+def download_results(cp, conv, stream, blocking_sync: bool, y, hy, cy, out_dtype, last_only: bool) -> Launched:
+    """Queue the copies of a call's results to pinned host memory; the Launched waits for them.
+
+    ``y`` [B, T, F] (or, ``last_only``, the [B, F] many-to-one result, handed back as ``last``) and
+    the final states ``hy``/``cy`` [rows, B, W] (or None) are in the engine's storage dtype;
+    the host arrays are in ``out_dtype``, states batch-first.
+    """
+    y = conv.from_store(y, out_dtype)
+    hy = None if hy is None else conv.from_store(hy, out_dtype)
+    cy = None if cy is None else conv.from_store(cy, out_dtype)
+    # A sequence-major result is a transposed view of a contiguous [T, B, F] buffer: copy that
+    # buffer and hand back the same view of it on the host.
+    transposed = y.ndim == 3 and not y.flags.c_contiguous and y.transpose(1, 0, 2).flags.c_contiguous
+    if not transposed and not y.flags.c_contiguous:
+        y = cp.ascontiguousarray(y)
+    arrays = [a for a in (y.transpose(1, 0, 2) if transposed else y, hy, cy) if a is not None]
+    host = download_async(cp, arrays, stream)
+    done = cp.cuda.Event(block=blocking_sync, disable_timing=True)
+    done.record(stream)
+
+    def finish() -> EngineOutput:
+        out: Any = host.pop(0)
+        if transposed:
+            out = out.transpose(1, 0, 2)
+        h_n = None if hy is None else np.ascontiguousarray(host.pop(0).transpose(1, 0, 2))
+        c_n = None if cy is None else np.ascontiguousarray(host.pop(0).transpose(1, 0, 2))
+        return EngineOutput(None, h_n, c_n, last=out) if last_only else EngineOutput(out, h_n, c_n)
+
+    return Launched(done, finish)
