@@ -1,8 +1,9 @@
 """Host and GPU time of one stream batch, per cuDNN algorithm: where a small batch's time goes.
 
 Builds the streaming scenario's LSTM (bench/serve.py: I=40, H=256, 2 layers), gathers
-N streams' states and runs one 10-step chunk each (``gather_states`` + ``launch_blocks``,
-what the scheduler does for a batch of stream chunks), with each algorithm forced in
+N streams' states from their state pool slots and runs one 10-step chunk each, leaving the
+new states in the slots (``launch(..., pooled=)``, what the scheduler does for a batch of
+stream chunks, the PooledRows built inside the timed host part), with each algorithm forced in
 turn and with the autotuner's choice, with and without CUDA graphs (the same shape repeats
 here, so after its first calls each batch is one graph replay). Columns: host ms (the calls' own time on the
 calling thread, which in the server is the event loop), wall ms (until the outputs are
@@ -36,6 +37,7 @@ def main() -> int:
 
     import serve
     from service.engines.cudnn import CudnnEngine
+    from service.engines.state_pool import PooledRows
     from service.errors import EngineUnavailable
     from service.repository import load_model
 
@@ -59,15 +61,17 @@ def main() -> int:
         try:
             for n in batches:
                 x = rng.standard_normal((n, args.steps, 40)).astype(np.float32)
-                _, finals = engine.forward_blocks(x[:1])
-                parts = [finals] * n
+                pool = engine.state_pool(n)
+                slots = [pool.acquire() for _ in range(n)]
+                engine.forward_pooled(x, None, None, None, PooledRows.of(pool, [], list(enumerate(slots))),
+                                      states_needed=False)
                 host, wall, gpu = [], [], []
                 for _ in range(args.reps):
                     start, end = cp.cuda.Event(), cp.cuda.Event()
                     t0 = time.perf_counter()
                     start.record(engine._ctx.stream)
-                    states = engine.gather_states(parts, [1] * n)
-                    launched = engine.launch_blocks(x, None, states)
+                    pooled = PooledRows.of(pool, [(s, row) for row, s in enumerate(slots)], list(enumerate(slots)))
+                    launched = engine.launch(x, None, None, None, states_needed=False, pooled=pooled)
                     end.record(engine._ctx.stream)
                     t1 = time.perf_counter()
                     launched.wait()

@@ -13,7 +13,6 @@ from functools import partial
 from typing import Any
 
 from .. import __version__
-from ..engines.base import split_block_states
 from ..errors import RNNServeError, StaleModelView, Unavailable
 from ..metrics import ServerMetrics
 from ..registry import ModelRegistry, ModelState, ServedVersion
@@ -189,29 +188,31 @@ class DataPlane:
                             deadline: float | None) -> dict:
         """Run one chunk of a stream from the state the previous chunk left (or its own h_0/c_0); keep the new state.
 
-        The state stays in the engine's arrays (GPU memory for the cuDNN engine): the
-        scheduler gathers the states of every stream chunk in a batch, runs the batch
-        with per-block states and scatters the new ones back (see :mod:`service.scheduler.batching`).
+        The state stays in the stream's slot of the engine's state pool (GPU memory for the
+        cuDNN engine): a batch gathers the states of its stream chunks from their slots, runs,
+        and scatters the new ones back (see :mod:`service.scheduler.batching`). A first chunk
+        starts from its own h_0/c_0 (validation lets only first chunks carry them) or zeros.
         """
         store = served.streams
         state = store.open(stream.key, stream.start)
         async with state.lock:
             store.check_live(state)
-            work.stream = True
-            if stream.start:
-                given = work.h0 is not None or work.c0 is not None
-                work.states = split_block_states(served.model.spec, work.h0, work.c0) if given else None
-                work.h0 = work.c0 = None
-            else:
-                work.states = state.states
+            work.pool, work.slot, work.resume = store.pool, state.slot, not stream.start
+            state.running = True
             try:
                 results = await served.scheduler.submit(work, deadline)
+            except asyncio.CancelledError:
+                store.close(state, "was ended because one of its chunks was cancelled before it was answered (the "
+                                   "client went away), so its state is unknown", "error")
+                raise
             except BaseException:
                 if stream.start:
                     store.close(state, "failed on its first chunk", "error")
                 raise
+            finally:
+                state.running = False
+                store.settle(state)
             if not state.ended:
-                state.states = work.states_out
                 state.last_used = time.monotonic()
             self._bound("chunk_steps", served.name, served.label).observe(work.steps)
             if stream.end:

@@ -25,10 +25,15 @@ queueing the work (returns at once) and waiting for it (:class:`Launched`); and
 
 forward_blocks(x, lengths, states) -> (output, states) is the same computation with
 each block's state kept separately, ``states[k] = (h [B, L_k*D_k, Ho_k], c [B, L_k*D_k, H_k] | None)``,
-so it works for every model, including those with no single state tensor. Stateful
-streams use it: the states it returns are the engine's own arrays (CuPy on the GPU
-engine), so a stream's state never leaves the device between chunks; ``output`` is
-a host NumPy array as from ``forward``.
+so it works for every model, including those with no single state tensor; the states
+it returns are the engine's own arrays (CuPy on the GPU engine), ``output`` is a host
+NumPy array as from ``forward``.
+
+Stateful streams keep their states in the engine's :meth:`Engine.state_pool` (a slot per
+stream, on the GPU for the cuDNN engine) and run through ``forward_pooled(x, lengths,
+h0, c0, pooled, states_needed)`` (and, on launching engines, ``launch(..., pooled=)``):
+the rows ``pooled`` names start from their slots and leave their final states there,
+so a stream's state never leaves the device between chunks.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ import numpy as np
 
 from ..errors import InvalidInput
 from ..spec import RNNSpec
+from .state_pool import PooledRows, StatePool
 
 
 # One block's state: (h [B, L*D, Ho], c [B, L*D, H] for LSTM blocks else None).
@@ -71,25 +77,6 @@ def check_block_states(spec: RNNSpec, states: Sequence[BlockState], b: int) -> N
                                    f"{None if c is None else list(c.shape)}")
         elif c is not None:
             raise InvalidInput(f"block {k} ({blk.cell}) has no cell state; pass None as its c")
-
-
-def gather_block_states(spec: RNNSpec, parts: Sequence[Sequence[BlockState] | None], counts: Sequence[int],
-                        xp: Any) -> list[BlockState]:
-    """Per block, the parts' states concatenated over the batch in array module ``xp`` (None parts: zeros)."""
-    out: list[BlockState] = []
-    for k, blk in enumerate(spec.blocks):
-        hs, cs = [], []
-        for part, n in zip(parts, counts):
-            h, c = part[k] if part is not None else (None, None)
-            hs.append(xp.asarray(h, dtype=np.float32) if h is not None
-                      else xp.zeros((n, blk.pseudo_layers, blk.output_size), np.float32))
-            if blk.cell == "lstm":
-                cs.append(xp.asarray(c, dtype=np.float32) if c is not None
-                          else xp.zeros((n, blk.pseudo_layers, blk.hidden_size), np.float32))
-        h_all = hs[0] if len(hs) == 1 else xp.concatenate(hs, axis=0)
-        c_all = None if not cs else (cs[0] if len(cs) == 1 else xp.concatenate(cs, axis=0))
-        out.append((h_all, c_all))
-    return out
 
 
 def split_block_states(spec: RNNSpec, h_n: Any, c_n: Any) -> list[BlockState]:
@@ -177,14 +164,47 @@ class Engine(ABC):
         out = self.forward(x, lengths, h0, c0)
         return out.output, split_block_states(spec, out.h_n, out.c_n)
 
-    def gather_states(self, parts: Sequence[Sequence[BlockState] | None], counts: Sequence[int]) -> list[BlockState]:
-        """One batch's per-block states for :meth:`forward_blocks`: each part's states stacked in order.
+    def state_pool(self, max_slots: int) -> StatePool:
+        """A pool for the states of up to ``max_slots`` live streams of this model (see :mod:`.state_pool`).
 
-        ``parts[i]`` holds ``counts[i]`` sequences' per-block states (NumPy or this engine's
-        arrays), or None for zeros. The result is in this engine's arrays; the GPU engine
-        gathers on its own stream, so a batch of streams never copies state through the host.
+        This default keeps them in host NumPy arrays; the GPU engine keeps them on its device.
         """
-        return gather_block_states(self.spec, parts, counts, np)
+        return StatePool(self.spec, np, np.float32, max_slots)
+
+    def forward_pooled(self, x: Any, lengths: Any, h0: Any, c0: Any, pooled: PooledRows,
+                       states_needed: bool = True) -> EngineOutput:
+        """:meth:`forward` where some rows start from, and leave their final state in, pool slots.
+
+        Rows ``pooled`` reads start from their slot's state instead of ``h0``/``c0`` (zeros
+        where those are None); every row ``pooled`` writes leaves its final state in its slot.
+        h_n/c_n come back only when ``states_needed`` (and the model has one state width).
+        This default runs :meth:`forward_blocks` on host arrays.
+        """
+        spec, pool = self.spec, pooled.pool
+        pool.reserve()
+        b = int(np.shape(x)[0])
+        given = split_block_states(spec, h0, c0) if h0 is not None or c0 is not None else None
+        reads, writes = pooled.read_pairs(), pooled.write_pairs()
+        states: list[BlockState] = []
+        for k, blk in enumerate(spec.blocks):
+            pair = []
+            for which, width in enumerate((blk.output_size, blk.hidden_size if blk.cell == "lstm" else None)):
+                if width is None:
+                    pair.append(None)
+                    continue
+                start = None if given is None else given[k][which]
+                a = (np.zeros((b, blk.pseudo_layers, width), np.float32) if start is None
+                     else np.array(start, dtype=np.float32))
+                a[reads[:, 1]] = pool.arrays[k][which][:, reads[:, 0]].transpose(1, 0, 2)
+                pair.append(a)
+            states.append((pair[0], pair[1]))
+        output, finals = self.forward_blocks(x, lengths, states)
+        for k, final in enumerate(finals):
+            for which, a in enumerate(final):
+                if a is not None:
+                    pool.arrays[k][which][:, writes[:, 1]] = np.asarray(a)[writes[:, 0]].transpose(1, 0, 2)
+        h_n, c_n = stack_block_states(spec, finals) if states_needed else (None, None)
+        return EngineOutput(output, h_n, c_n)
 
     def describe(self) -> dict[str, Any]:
         """Facts for `rnnserve inspect` and model metadata."""

@@ -278,7 +278,8 @@ class ModelRegistry:
                                  max_queue_delay_us=cfg.max_queue_delay_us, max_queue_size=cfg.max_queue_size,
                                  metrics=self.metrics)
         await sv.scheduler.start()
-        sv.streams = StreamStore(sv.name, sv.label, cfg.max_streams, cfg.stream_idle_timeout_s, self.metrics)
+        sv.streams = StreamStore(sv.name, sv.label, cfg.max_streams, cfg.stream_idle_timeout_s,
+                                 engine.state_pool(cfg.max_streams), self.metrics)
         sv.streams.start()
         sv.state = ModelState.READY
         elapsed = time.perf_counter() - start

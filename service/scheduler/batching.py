@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..engines.base import BlockState, split_block_states, stack_block_states
+from ..engines.state_pool import PooledRows, StatePool
 from ..spec import RNNSpec
 from ..wire import wire
 from .rowcopy import copy_sequences
@@ -33,11 +33,11 @@ class SequenceWork:
     x [B, T, I] float32, lengths [B] int64 (1..T), h0 [B, S, Ho] / c0 [B, Sc, H] float32
     or None, outputs: the output names to return.
 
-    A chunk of a stateful stream sets ``stream``: its initial state is ``states`` (per
-    block (h, c), the engine's own arrays, None = zeros), and after the batch ran
-    ``states_out`` holds the per-block final state, still the engine's arrays (on the
-    GPU for the cuDNN engine). A batch with any stream chunk runs through the engine's
-    ``forward_blocks``, so states are gathered and scattered on the engine's device.
+    A chunk of a stateful stream (one sequence) sets ``pool`` and ``slot``: its final
+    state goes to that slot of the engine's state pool, and, with ``resume``, its initial
+    state comes from there (else from h0/c0, or zeros: a stream's first chunk). A batch
+    with stream chunks runs through the engine's ``forward_pooled`` (``launch(...,
+    pooled=)``), so states are gathered and scattered on the engine's device.
     """
 
     x: np.ndarray
@@ -45,15 +45,14 @@ class SequenceWork:
     h0: np.ndarray | None = None
     c0: np.ndarray | None = None
     outputs: frozenset[str] = field(default_factory=lambda: frozenset(OUTPUT_NAMES))
-    stream: bool = False
-    states: list[BlockState] | None = None
-    states_out: list[BlockState] | None = None
+    pool: StatePool | None = None
+    slot: int = -1
+    resume: bool = False
 
     def __reduce__(self) -> tuple:
-        # Sent from front-end processes to the engine process (see service.wire); a stream's device
-        # states never cross: the engine process fills them in.
-        return (SequenceWork, (wire(self.x), wire(self.lengths), wire(self.h0), wire(self.c0), self.outputs,
-                               self.stream))
+        # Sent from front-end processes to the engine process (see service.wire); a stream's slot
+        # never crosses: the engine process fills it in.
+        return (SequenceWork, (wire(self.x), wire(self.lengths), wire(self.h0), wire(self.c0), self.outputs))
 
     # Cached: the scheduler reads both for every waiting request on every batch it forms, and a
     # NumPy max costs microseconds (x and lengths do not change once the request is validated).
@@ -178,35 +177,53 @@ def split(spec: RNNSpec, batch: MergedBatch, output: np.ndarray | None, h_n: Any
 def run_batch(engine: Any, parts: list[SequenceWork]) -> tuple[MergedBatch, list[dict[str, np.ndarray]]]:
     """Merge, run the engine once, split: the body of one scheduler step (runs off the event loop)."""
     batch = merge(parts)
-    if any(p.stream for p in parts):
-        output, finals = engine.forward_blocks(batch.x, batch.lengths, _initial_states(engine, parts))
-        return batch, _split_block_states(engine, batch, output, finals, parts)
-    out = engine.forward(batch.x, batch.lengths, batch.h0, batch.c0, **_options(engine, parts))
+    pooled = pooled_rows(parts)
+    options = _options(engine, parts, pooled is not None)
+    if pooled is not None:
+        out = engine.forward_pooled(batch.x, batch.lengths, batch.h0, batch.c0, pooled, **options)
+    else:
+        out = engine.forward(batch.x, batch.lengths, batch.h0, batch.c0, **options)
     return batch, split_output(engine, batch, out, parts)
 
 
 def launch_batch(engine: Any, parts: list[SequenceWork]) -> tuple[MergedBatch, Any]:
     """Merge and queue the batch on a launching engine (``launches``); returns it with the engine's Launched."""
     batch = merge(parts)
-    if any(p.stream for p in parts):
-        return batch, engine.launch_blocks(batch.x, batch.lengths, _initial_states(engine, parts))
-    return batch, engine.launch(batch.x, batch.lengths, batch.h0, batch.c0, **_options(engine, parts))
+    pooled = pooled_rows(parts)
+    options = _options(engine, parts, pooled is not None)
+    if pooled is not None:
+        options["pooled"] = pooled
+    return batch, engine.launch(batch.x, batch.lengths, batch.h0, batch.c0, **options)
 
 
 def finish_batch(engine: Any, batch: MergedBatch, launched: Any, parts: list[SequenceWork]
                  ) -> list[dict[str, np.ndarray]]:
     """The results of a batch from :func:`launch_batch`, once its Launched has been waited for."""
-    out = launched.finish()
-    if any(p.stream for p in parts):
-        output, finals = out
-        return _split_block_states(engine, batch, output, finals, parts)
-    return split_output(engine, batch, out, parts)
+    return split_output(engine, batch, launched.finish(), parts)
 
 
-def _options(engine: Any, parts: list[SequenceWork]) -> dict[str, bool]:
+def pooled_rows(parts: list[SequenceWork]) -> PooledRows | None:
+    """The batch's stream rows (see :class:`SequenceWork`), or None when it holds no stream chunk."""
+    pool = None
+    reads: list[tuple[int, int]] = []
+    writes: list[tuple[int, int]] = []
+    row = 0
+    for p in parts:
+        if p.pool is not None:
+            pool = p.pool if pool is None else pool
+            if p.pool is not pool or p.sequences != 1:
+                raise ValueError("stream chunks of one batch must be single sequences of one model's state pool")
+            if p.resume:
+                reads.append((p.slot, row))
+            writes.append((row, p.slot))
+        row += p.sequences
+    return None if pool is None else PooledRows.of(pool, reads, writes)
+
+
+def _options(engine: Any, parts: list[SequenceWork], pooled: bool = False) -> dict[str, bool]:
     """What the batch lets the engine skip: final states nobody reads, outputs other than the last steps."""
     options = {}
-    if getattr(engine, "skips_states", False) and not any({"h_n", "c_n"} & p.outputs for p in parts):
+    if (pooled or getattr(engine, "skips_states", False)) and not any({"h_n", "c_n"} & p.outputs for p in parts):
         options["states_needed"] = False
     if getattr(engine, "computes_last", False) and not any("output" in p.outputs for p in parts):
         options["last_only"] = True
@@ -216,32 +233,6 @@ def _options(engine: Any, parts: list[SequenceWork]) -> dict[str, bool]:
 def split_output(engine: Any, batch: MergedBatch, out: Any, parts: list[SequenceWork]) -> list[dict[str, np.ndarray]]:
     """:func:`split` of an EngineOutput (host or CuPy arrays)."""
     return split(engine.spec, batch, _host(out.output), _host(out.h_n), _host(out.c_n), parts, _host(out.last))
-
-
-def _initial_states(engine: Any, parts: list[SequenceWork]) -> Any:
-    """A batch holding stream chunks: its per-block initial states gathered on the engine, or None (all zeros)."""
-    spec = engine.spec
-    initial = [p.states if p.stream else (split_block_states(spec, p.h0, p.c0) if p.h0 is not None or p.c0 is not None
-                                          else None) for p in parts]
-    if all(s is None for s in initial):
-        return None
-    return engine.gather_states(initial, [p.sequences for p in parts])
-
-
-def _split_block_states(engine: Any, batch: MergedBatch, output: Any, finals: Any, parts: list[SequenceWork]
-                        ) -> list[dict[str, np.ndarray]]:
-    """Results of a batch run with block states; each stream chunk keeps its rows of the new states."""
-    spec = engine.spec
-    h_n = c_n = None
-    if any({"h_n", "c_n"} & p.outputs for p in parts):
-        h_n, c_n = (_host(a) for a in stack_block_states(spec, finals))
-    row = 0
-    for p in parts:
-        if p.stream:
-            rows = slice(row, row + p.sequences)
-            p.states_out = [(h[rows], None if c is None else c[rows]) for h, c in finals]
-        row += p.sequences
-    return split(spec, batch, _host(output), h_n, c_n, parts)
 
 
 def _host(a: Any) -> Any:

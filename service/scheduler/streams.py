@@ -7,8 +7,10 @@ frees it. Chunks of one stream run one at a time, in arrival order (a FIFO lock 
 stream); chunks of different streams batch together like any other requests, since
 a chunk is just a sequence with an initial state.
 
-A stream's state is kept per block (h and c of every layer and direction), as the
-engine's own arrays: on the GPU engine it never leaves GPU memory between chunks.
+A stream's state (h and c of every layer and direction of every block) lives in a slot
+of the engine's state pool (:mod:`service.engines.state_pool`): on the GPU engine it
+never leaves GPU memory between chunks. A stream holds its slot from its start until it
+ends and no chunk of it is running.
 
 Errors (each names the stream and says what to do):
 
@@ -16,7 +18,10 @@ Errors (each names the stream and says what to do):
   whether it was never started, ended with sequence_end, expired, or ended by an
   unload/reload (the store remembers the last ``_REMEMBERED`` ended ids and why);
 * ``sequence_start`` for a stream that is live: INVALID_ARGUMENT (end it first);
-* a new stream over ``max_streams``: UNAVAILABLE (HTTP 503).
+* a new stream over ``max_streams``: UNAVAILABLE (HTTP 503);
+* a chunk cancelled before its answer (the client went away) ends its stream: the
+  state may or may not include that chunk, so a later chunk gets NOT_FOUND saying so
+  rather than continuing from an unknown state.
 
 A stream with no chunk for ``idle_timeout_s`` is dropped with its state by a sweeper
 task (and on every open), and counted as an expiration.
@@ -27,8 +32,8 @@ import asyncio
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
 
+from ..engines.state_pool import StatePool
 from ..errors import InvalidInput, NotFound, Unavailable
 from ..metrics import ServerMetrics
 
@@ -37,21 +42,23 @@ _REMEMBERED = 4096  # ended stream ids kept to explain a late chunk
 
 @dataclass(eq=False)
 class StreamState:
-    """One live stream: per-block (h, c) states (None before its first chunk ran) and the lock ordering its chunks."""
+    """One live stream: its state pool slot and the lock ordering its chunks."""
 
     key: str
-    states: list[tuple[Any, Any]] | None = None
+    slot: int = -1  # -1: released (the stream ended)
     last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     ended: str = ""  # why the stream ended, "" while live
+    running: bool = False  # a chunk is in the scheduler: its batch may still write the slot
 
 
 class StreamStore:
     """Live streams of one model version."""
 
     def __init__(self, model: str, version: str, max_streams: int, idle_timeout_s: float,
-                 metrics: ServerMetrics | None = None) -> None:
+                 pool: StatePool, metrics: ServerMetrics | None = None) -> None:
         self.model = model
+        self.pool = pool
         self.version = version
         self.max_streams = max_streams
         self.idle_timeout_s = idle_timeout_s
@@ -87,7 +94,7 @@ class StreamStore:
             if len(self._streams) >= self.max_streams:
                 raise Unavailable(f"model '{self.model}' has {len(self._streams)} live streams (max_streams "
                                   f"{self.max_streams}); end finished streams with sequence_end or retry later")
-            state = self._streams[key] = StreamState(key, last_used=now)
+            state = self._streams[key] = StreamState(key, self.pool.acquire(), last_used=now)
             self._ended.pop(key, None)
             if self._metrics is not None:
                 self._metrics.stream_starts.labels(**self._labels).inc()
@@ -113,7 +120,7 @@ class StreamStore:
         if state.ended:
             return
         state.ended = why
-        state.states = None
+        self.settle(state)
         if self._streams.get(state.key) is state:
             del self._streams[state.key]
             self._remember(state.key, why)
@@ -123,6 +130,12 @@ class StreamStore:
                 else:
                     self._metrics.stream_ends.labels(**self._labels, reason=outcome).inc()
         self._gauge()
+
+    def settle(self, state: StreamState) -> None:
+        """Give an ended stream's slot back once no chunk of it runs (called again when its chunk ends)."""
+        if state.ended and not state.running and state.slot >= 0:
+            self.pool.release(state.slot)
+            state.slot = -1
 
     def clear(self, why: str) -> None:
         """End every stream (unload or reload); their next chunk gets NotFound with ``why``."""

@@ -1,8 +1,8 @@
 """The cuDNN engine's copy kernels (service.engines.cudnn.copies) and the stream-state path built on them.
 
 GPU only (``pytest -m gpu``): transposes and gathers are checked element for element
-against NumPy on odd widths, unaligned views and every copy width; chunked runs through
-``gather_states``/``forward_blocks`` against one-shot runs of the reference engine.
+against NumPy on odd widths, unaligned views and every copy width; streams chunked through
+the engine's state pool (``forward_pooled``) against one-shot runs of the reference engine.
 """
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ import pytest
 
 from service.engines.reference import ReferenceEngine
 from service.loaders.verify import ATOL, RTOL
-from service.packing import LayerWeights, pack_block
-from service.repository import PackedModel
-from service.spec import BlockSpec, RNNSpec
+from test_state_pool import MODELS, check_pooled_chunks
+from test_state_pool import model as pool_model
 
 pytestmark = pytest.mark.gpu
 
@@ -49,70 +48,54 @@ def test_swap01_of_unaligned_and_strided_views(cp):
     np.testing.assert_array_equal(cp.asnumpy(swap01(cp, dev[:, ::2])), np.swapaxes(host[:, ::2], 0, 1))
 
 
-def test_gather_rows_from_pointers(cp):
-    from service.engines.cudnn.copies import gather_rows
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.uint16])
+@pytest.mark.parametrize("width", [13, 64, 3])
+def test_copy_pairs_equals_numpy(cp, dtype, width):
+    from service.engines.cudnn.copies import copy_pairs
 
     rng = np.random.default_rng(1)
-    layers, width = 3, 13
-    big = rng.standard_normal((7, layers, width)).astype(np.float32)
-    two = rng.standard_normal((2, layers, width)).astype(np.float32)
-    big_d, two_d = cp.asarray(big), cp.asarray(two)
-    parts = [big_d[4:5], None, two_d, big_d[0:1]]
-    counts = [1, 2, 2, 1]
-    got = gather_rows(cp, parts, counts, layers, width, np.float32)
-    want = np.concatenate([big[4:5], np.zeros((2, layers, width), np.float32), two, big[0:1]]).transpose(1, 0, 2)
-    np.testing.assert_array_equal(cp.asnumpy(got), want)
+    layers = 3
+    src = (rng.standard_normal((layers, 9, width)) * 100).astype(dtype)
+    big = np.zeros((layers + 2, 5, width), dtype)  # dst is a row view at an offset, as a block's state is
+    pairs = np.array([[7, 0], [2, 4], [7, 2]], np.int32)
+    src_d, big_d = cp.asarray(src), cp.asarray(big)
+    copy_pairs(cp, src_d, big_d[1:1 + layers], cp.asarray(pairs.ravel()), len(pairs))
+    want = big.copy()
+    want[1:1 + layers][:, pairs[:, 1]] = src[:, pairs[:, 0]]
+    np.testing.assert_array_equal(cp.asnumpy(big_d), want)
 
 
-def test_gather_rows_declines_what_it_cannot_read(cp):
-    from service.engines.cudnn.copies import gather_rows
+def test_copy_pairs_refuses_mismatched_arrays(cp):
+    from service.engines.cudnn.copies import copy_pairs
 
-    host = np.zeros((1, 2, 4), np.float32)
-    assert gather_rows(cp, [host], [1], 2, 4, np.float32) is None                     # NumPy
-    assert gather_rows(cp, [cp.asarray(host, dtype=np.float16)], [1], 2, 4, np.float32) is None
-    strided = cp.zeros((1, 2, 8), np.float32)[:, :, ::2]
-    assert gather_rows(cp, [strided], [1], 2, 4, np.float32) is None
-
-
-def _model(cell: str, layers: int, seed: int = 0) -> PackedModel:
-    rng = np.random.default_rng(seed)
-    i, h = 7, 13
-    spec = BlockSpec(cell, i, h, layers)
-    g = spec.gates
-    ws = []
-    for layer in range(layers):
-        inp = i if layer == 0 else h
-        ws.append(LayerWeights(rng.uniform(-0.4, 0.4, (g * h, inp)), rng.uniform(-0.4, 0.4, (g * h, h)),
-                               rng.uniform(-0.2, 0.2, g * h), rng.uniform(-0.2, 0.2, g * h)))
-    return PackedModel(RNNSpec((spec,)), [pack_block(spec, ws)])
+    pairs = cp.zeros(2, cp.int32)
+    with pytest.raises(ValueError, match="one dtype"):
+        copy_pairs(cp, cp.zeros((2, 3, 4), cp.float32), cp.zeros((2, 3, 4), cp.float16), pairs, 1)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        copy_pairs(cp, cp.zeros((2, 3, 8), cp.float32)[:, :, ::2], cp.zeros((2, 3, 4), cp.float32), pairs, 1)
 
 
-@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn_tanh"])
-def test_chunked_states_equal_one_shot(cp, cell):
-    """Three streams in two chunks through gather_states/forward_blocks == the whole sequences at once."""
+@pytest.mark.parametrize("blocks", list(MODELS.values()), ids=list(MODELS))
+def test_pooled_chunks_equal_whole_sequences(cp, blocks):
+    """20 streams chunked through the GPU state pool (growing past 16 slots) == float64 reference runs
+    of the whole sequences (outputs, and final states read from the slots); see check_pooled_chunks."""
     from service.engines.cudnn import CudnnEngine
 
-    model = _model(cell, layers=2)
-    eng = CudnnEngine(model, buckets=(1, 2, 4))
-    ref = ReferenceEngine(model, dtype=np.float64)
-    rng = np.random.default_rng(2)
-    x = rng.standard_normal((3, 9, 7)).astype(np.float32)
+    m = pool_model(blocks, seed=len(blocks))
+    eng = CudnnEngine(m, buckets=(1, 2, 4, 8, 16, 32))
     try:
-        _, first = eng.forward_blocks(x[:2, :4])            # streams 0 and 1 start together
-        _, lone = eng.forward_blocks(x[2:, :5])             # stream 2 starts alone, longer first chunk
-        parts = [[(h[1:2], None if c is None else c[1:2]) for h, c in first],          # stream 1
-                 [(h[0:1], None if c is None else c[0:1]) for h, c in lone],            # stream 2
-                 [(h[0:1], None if c is None else c[0:1]) for h, c in first]]           # stream 0
-        states = eng.gather_states(parts, [1, 1, 1])
-        second = np.stack([x[1, 4:8], x[2, 5:9], x[0, 4:8]])
-        out, finals = eng.forward_blocks(second, np.array([4, 4, 4]), states)
+        check_pooled_chunks(eng, ReferenceEngine(m, dtype=np.float64), rtol=RTOL, atol=ATOL)
     finally:
         eng.close()
-    whole = ref.forward(x[[1, 2, 0], :].astype(np.float64), np.array([8, 9, 8]))
-    np.testing.assert_allclose(out[0], whole.output[0, 4:8], rtol=RTOL, atol=ATOL)
-    np.testing.assert_allclose(out[1], whole.output[1, 5:9], rtol=RTOL, atol=ATOL)
-    np.testing.assert_allclose(out[2], whole.output[2, 4:8], rtol=RTOL, atol=ATOL)
-    h_final = cp.asnumpy(finals[0][0])
-    np.testing.assert_allclose(h_final, whole.h_n, rtol=RTOL, atol=ATOL)
-    if cell == "lstm":
-        np.testing.assert_allclose(cp.asnumpy(finals[0][1]), whole.c_n, rtol=RTOL, atol=ATOL)
+
+
+def test_pooled_chunks_in_float16(cp):
+    from service.engines.cudnn import CudnnEngine
+
+    m = pool_model(MODELS["lstm-2-layers"], seed=5)
+    eng = CudnnEngine(m, precision="float16", buckets=(1, 2, 4, 8, 16, 32))
+    try:
+        assert eng.state_pool(4).arrays[0][0].dtype == np.float16  # states stay in the engine's storage dtype
+        check_pooled_chunks(eng, ReferenceEngine(m, dtype=np.float64), rtol=1e-2, atol=1e-2)
+    finally:
+        eng.close()

@@ -487,7 +487,7 @@ def test_bad_input_is_rejected_with_a_message():
         eng.close()
     for call in (lambda: eng.forward(rand((2, 3, 4))), lambda: eng.forward(rand((2, 3, 4)), output_device="device"),
                  lambda: eng.launch(rand((2, 3, 4))), lambda: eng.launch_blocks(rand((2, 3, 4))),
-                 lambda: eng.forward_blocks(rand((2, 3, 4))), lambda: eng.gather_states([None], [2])):
+                 lambda: eng.forward_blocks(rand((2, 3, 4))), lambda: eng.state_pool(4)):
         with pytest.raises(EngineUnavailable, match="closed"):
             call()
 

@@ -279,7 +279,7 @@ class LaunchingEngine(LastOnlyEngine):
     def forward(self, x, lengths=None, h0=None, c0=None, states_needed=True, last_only=False):
         return super().forward(x, lengths, h0, c0, last_only=last_only)
 
-    def launch(self, x, lengths=None, h0=None, c0=None, states_needed=True, last_only=False):
+    def launch(self, x, lengths=None, h0=None, c0=None, states_needed=True, last_only=False, pooled=None):
         from service.engines.base import Launched
 
         if np.any(x == 999):
@@ -290,7 +290,10 @@ class LaunchingEngine(LastOnlyEngine):
         box = {}
 
         def work():
-            box["out"] = self.forward(x, lengths, h0, c0, states_needed, last_only)
+            if pooled is not None:
+                box["out"] = self.inner.forward_pooled(x, lengths, h0, c0, pooled, states_needed)
+            else:
+                box["out"] = self.forward(x, lengths, h0, c0, states_needed, last_only)
             if self.fail_wait:
                 box["out"] = None
             event.done.set()
@@ -304,29 +307,19 @@ class LaunchingEngine(LastOnlyEngine):
 
         return Launched(event, finish)
 
-    def gather_states(self, parts, counts):
-        return self.inner.gather_states(parts, counts)
-
-    def launch_blocks(self, x, lengths=None, states=None):
-        from service.engines.base import Launched
-
-        self.launched_on.append(threading.current_thread().name)
-        event = _HostEvent()
-        out = self.inner.forward_blocks(x, lengths, states)
-        event.done.set()
-        return Launched(event, lambda: out)
 
 
 async def test_stream_chunks_on_a_launching_engine_carry_their_state():
     engine = LaunchingEngine()
     sched = await _scheduler(engine, max_queue_delay_us=0)
+    pool = engine.inner.state_pool(4)
+    slot = pool.acquire()
     x = _work(9, seed=4).x
-    states, outs = None, []
+    outs = []
     for a, b in ((0, 4), (4, 5), (5, 9)):
-        chunk = SequenceWork(np.ascontiguousarray(x[:, a:b]), np.array([b - a]), stream=True, states=states,
+        chunk = SequenceWork(np.ascontiguousarray(x[:, a:b]), np.array([b - a]), pool=pool, slot=slot, resume=a > 0,
                              outputs=frozenset({"output", "h_n", "c_n"}))
         res = await sched.submit(chunk)
-        states = chunk.states_out
         outs.append(res["output"])
     want = engine.inner.forward(x)
     assert len(engine.launched_on) == 3 and set(engine.launched_on) == {threading.current_thread().name}

@@ -92,3 +92,29 @@ async def test_stream_limits(repo):
         assert (await client.post("/v2/models/lstm/infer", json=_chunk(x, 3, True))).status_code == 200
         r = await client.post("/v2/models/lstm/infer", json=_chunk(x, 1))
         assert r.status_code == 404 and "expired after 1s without a chunk" in r.json()["error"]
+
+
+async def test_a_cancelled_chunk_ends_its_stream_and_every_slot_comes_back(repo):
+    # a 100 ms batching window keeps the cancelled chunk in the queue; 1 s idle timeout expires stream 3
+    write_config(repo, "lstm", max_queue_delay_us=100_000, stream_idle_timeout_s=1.0)
+    x = np.zeros((1, 2, 4), np.float32)
+    async with rest_client(repo) as (client, dataplane):
+        pool = dataplane.registry.serving("lstm").streams.pool
+        for k in (1, 2, 3):
+            assert (await client.post("/v2/models/lstm/infer", json=_chunk(x, k, True))).status_code == 200
+        assert pool.in_use == 3
+        req = InferRequest("lstm", inputs=[InferTensor("input", "FP32", [1, 2, 4], x)], parameters={"sequence_id": 1})
+        task = asyncio.create_task(dataplane.infer(req))
+        await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        r = await client.post("/v2/models/lstm/infer", json=_chunk(x, 1))
+        assert r.status_code == 404 and "cancelled before it was answered" in r.json()["error"]
+        assert (await client.post("/v2/models/lstm/infer", json=_chunk(x, 2, end=True))).status_code == 200
+        await asyncio.sleep(1.4)
+        r = await client.post("/v2/models/lstm/infer", json=_chunk(x, 3))
+        assert r.status_code == 404 and "expired" in r.json()["error"]
+        assert pool.in_use == 0  # cancelled, ended and expired streams gave their slots back
+        assert (await client.post("/v2/models/lstm/infer", json=_chunk(x, 4, True))).status_code == 200
+        assert pool.in_use == 1

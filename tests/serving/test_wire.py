@@ -60,7 +60,7 @@ def test_prepared_work_round_trip(with_states):
         np.testing.assert_array_equal(got.c0, c0)
     else:
         assert got.h0 is None and got.c0 is None
-    assert got.states is None and got.states_out is None and not got.stream
+    assert got.pool is None and got.slot == -1 and not got.resume
 
 
 def test_results_travel_as_plain_arrays():

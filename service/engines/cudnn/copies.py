@@ -10,10 +10,10 @@ array), which left the engine 3-6 % behind PyTorch where both run the same cuDNN
 A many-to-one request wants only each sequence's last output: :func:`last_steps` picks
 it on the device (one launch), so a batch downloads [B, F] instead of [B, T, F].
 
-Stateful streams keep each stream's state as its own small array; a batch of N chunks
-needs them side by side. ``cp.concatenate`` of N arrays costs Python work per array;
-:func:`gather_rows` copies from N device pointers in one kernel, straight into the
-sequence-major layout cuDNN reads (zeros where a sequence has no state).
+Stateful streams keep their states in slots of a pool (see service.engines.state_pool);
+a batch of N chunks reads N slots into the batch's initial states and writes N final
+states back: :func:`copy_pairs` does each with one kernel over an index array of
+(source, destination) pairs, whatever N.
 
 The kernels copy bytes (as 16-, 8-, 4- or 2-byte units), so one compiled kernel serves
 every dtype; they are compiled once per process (:func:`warm`).
@@ -21,7 +21,7 @@ every dtype; they are compiled once per process (:func:`warm`).
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -41,18 +41,17 @@ __device__ __forceinline__ void swap01(const T* __restrict__ src, T* __restrict_
 }
 
 template<typename T>
-__device__ __forceinline__ void gather(const unsigned long long* __restrict__ ptrs, T* __restrict__ out,
-                                       long long layers, long long n, long long r) {
-    // out [layers, n, r]; sequence s reads its own contiguous [layers, r] block at ptrs[s] (0: zeros)
-    const long long total = layers * n * r;
+__device__ __forceinline__ void copy_pairs(const T* __restrict__ src, T* __restrict__ dst,
+                                           const int* __restrict__ pairs, long long count, long long layers,
+                                           long long n_src, long long n_dst, long long r) {
+    // src [layers, n_src, r], dst [layers, n_dst, r]: for each j, dst[:, pairs[2j+1]] = src[:, pairs[2j]]
+    const long long total = layers * count * r;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         const long long col = i % r;
         const long long t = i / r;
-        const long long s = t % n, layer = t / n;
-        const T* src = reinterpret_cast<const T*>(ptrs[s]);
-        T zero = {};
-        out[i] = src ? src[layer * r + col] : zero;
+        const long long j = t % count, layer = t / count;
+        dst[(layer * n_dst + pairs[2 * j + 1]) * r + col] = src[(layer * n_src + pairs[2 * j]) * r + col];
     }
 }
 
@@ -79,8 +78,8 @@ extern "C" __global__ void rnnserve_last_2(const unsigned short* y, const int* l
 #define RNNSERVE_VARIANTS(W, T) \
 extern "C" __global__ void rnnserve_swap01_##W(const T* s, T* d, long long a, long long b, long long r) \
     { swap01<T>(s, d, a, b, r); } \
-extern "C" __global__ void rnnserve_gather_##W(const unsigned long long* p, T* o, long long l, long long n, \
-    long long r) { gather<T>(p, o, l, n, r); }
+extern "C" __global__ void rnnserve_pairs_##W(const T* s, T* d, const int* p, long long c, long long l, \
+    long long ns, long long nd, long long r) { copy_pairs<T>(s, d, p, c, l, ns, nd, r); }
 
 RNNSERVE_VARIANTS(16, uint4)
 RNNSERVE_VARIANTS(8, uint2)
@@ -104,7 +103,7 @@ def _kernels(cp: Any) -> dict[str, Any]:
         if mod is None:
             raw = cp.RawModule(code=_SOURCE, options=("-std=c++14",))
             mod = {f"{kind}_{w}": raw.get_function(f"rnnserve_{kind}_{w}")
-                   for kind in ("swap01", "gather") for w in _WIDTHS}
+                   for kind in ("swap01", "pairs") for w in _WIDTHS}
             mod.update({f"last_{w}": raw.get_function(f"rnnserve_last_{w}") for w in (4, 2)})
             _modules[dev] = mod
     return mod
@@ -158,38 +157,26 @@ def swap01(cp: Any, a: Any, out: Any = None) -> Any:
     return out
 
 
-def gather_rows(cp: Any, parts: Sequence[Any | None], counts: Sequence[int], layers: int, width: int,
-                dtype: Any, upload: Callable[[np.ndarray], Any] | None = None) -> Any | None:
-    """Sequence-major [layers, N, width] from per-part batch-first [n_p, layers, width] device arrays.
+def copy_pairs(cp: Any, src: Any, dst: Any, pairs: Any, count: int) -> None:
+    """``dst[:, d] = src[:, s]`` for each of ``count`` (s, d) int32 pairs in device array ``pairs``, one kernel.
 
-    ``None`` parts (``counts[p]`` sequences each) give zeros. Returns None when some part's
-    rows are not contiguous [layers, width] blocks in ``dtype``, for the caller's generic path.
-    ``upload`` moves the uint64 pointer array to the device (default ``cp.asarray``; the engine
-    passes its pinned staging, which costs less host time).
+    ``src`` [L, n_src, W] and ``dst`` [L, n_dst, W]: C-contiguous, same dtype, on the current stream.
     """
-    dtype = np.dtype(dtype)
-    ptrs: list[int] = []
-    for part, n in zip(parts, counts):
-        if part is None:
-            ptrs.extend([0] * n)
-            continue
-        if (not isinstance(part, cp.ndarray) or part.dtype != dtype or part.shape != (n, layers, width)
-                or part.strides[2] != dtype.itemsize or (layers > 1 and part.strides[1] != width * dtype.itemsize)):
-            return None
-        base, step = part.data.ptr, part.strides[0]
-        ptrs.extend(base + k * step for k in range(n))
-    total_n = len(ptrs)
-    out = cp.empty((layers, total_n, width), dtype)
-    if out.size == 0:
-        return out
-    w = _width(width * dtype.itemsize, out.data.ptr, *(p for p in ptrs if p))
-    r = width * dtype.itemsize // w
-    host_ptrs = np.asarray(ptrs, dtype=np.uint64)
-    dev_ptrs = upload(host_ptrs) if upload is not None else cp.asarray(host_ptrs)
-    total = layers * total_n * r
-    _kernels(cp)[f"gather_{w}"]((_grid(total),), (_THREADS,),
-                                (dev_ptrs, out, np.int64(layers), np.int64(total_n), np.int64(r)))
-    return out
+    if src.dtype != dst.dtype or src.shape[0] != dst.shape[0] or src.shape[2] != dst.shape[2]:
+        raise ValueError(f"copy_pairs needs [L, n, W] arrays of one dtype, L and W, got {src.shape} {src.dtype} "
+                         f"and {dst.shape} {dst.dtype}")
+    if not (src.flags.c_contiguous and dst.flags.c_contiguous):
+        raise ValueError("copy_pairs needs C-contiguous arrays")
+    layers, width = int(src.shape[0]), int(src.shape[2])
+    if count == 0 or layers == 0 or width == 0:
+        return
+    row_bytes = width * src.itemsize
+    w = _width(row_bytes, src.data.ptr, dst.data.ptr)
+    r = row_bytes // w
+    total = layers * count * r
+    _kernels(cp)[f"pairs_{w}"]((_grid(total),), (_THREADS,),
+                               (src, dst, pairs, np.int64(count), np.int64(layers), np.int64(src.shape[1]),
+                                np.int64(dst.shape[1]), np.int64(r)))
 
 
 def last_steps(cp: Any, y: Any, lens_dev: Any, forward_cols: int) -> Any:

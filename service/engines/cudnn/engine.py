@@ -25,12 +25,12 @@ import numpy as np
 
 from ...errors import EngineUnavailable, InvalidInput
 from ...repository import PackedModel
-from ..base import (BlockState, Engine, EngineOutput, Launched, check_block_states, check_forward_args,
-                    gather_block_states)
+from ..base import BlockState, Engine, EngineOutput, Launched, check_block_states, check_forward_args
+from ..state_pool import PooledRows, StatePool
 from . import library as L
 from .autotune import LONG_FACTOR, AlgoTable, BucketChoice, Group, Trial, batch_buckets, choose, plan
 from .block import AlgorithmRejected
-from .copies import gather_rows, last_steps, swap01
+from .copies import copy_pairs, last_steps, swap01
 from .graphs import SETUP_LOCK, GraphRuns
 from .transfer import download_results
 from .warmup import warm_paths
@@ -133,7 +133,6 @@ class CudnnEngine(Engine):
             with self._ctx.device, self._ctx.stream:
                 self._conv = Converter(cp, self.precision)
                 self._staging = HostStaging(cp)
-                self._pointer_staging = HostStaging(cp)  # stream state pointers: see gather_states
                 self._blocking_sync = blocking_sync
                 self._prec = self._build_runners(BlockRunner, prec, force_per_matrix_upload)
                 steps = max(1, int(tune_steps))
@@ -301,14 +300,14 @@ class CudnnEngine(Engine):
             return launched.finish()
         self._ensure_open()
         with self._lock, self._ctx.device, self._ctx.stream:
-            y, hy, cy, out_dtype = self._queue(x, lengths, h0, c0, states_needed, last_only)
+            y, hy, cy, out_dtype = self._queue(x, lengths, h0, c0, states_needed, last_only, None)
             if self._graphs is not None and self._graphs.owns(y):
                 y = y.copy()  # the caller keeps it past the graph's next replay
             out = self._outputs(y, hy, cy, out_dtype, output_device)
             return EngineOutput(None, out.h_n, out.c_n, last=out.output) if last_only else out
 
     def launch(self, x: Any, lengths: Any = None, h0: Any = None, c0: Any = None, states_needed: bool = True,
-               last_only: bool = False) -> Launched:
+               last_only: bool = False, pooled: PooledRows | None = None) -> Launched:
         """Queue :meth:`forward` (host outputs) on the GPU and return without waiting for it.
 
         ``wait()`` on the result blocks until the outputs are on the host (it gives up the
@@ -319,22 +318,79 @@ class CudnnEngine(Engine):
         22 ragged requests, 1.2 ms alone, 2.4 ms with a busy event loop; bench/batch_path.py).
         Calls queue in order on the engine's stream, so a second launch may follow before
         the first is collected.
+
+        ``pooled``: stream rows that start from, and leave their final states in, slots of
+        this engine's :meth:`state_pool` (see :meth:`forward_pooled`); gathered and
+        scattered on the GPU in the same stream, so a later launch reads what this one left.
         """
         self._ensure_open()
         with self._lock, self._ctx.device, self._ctx.stream:
-            y, hy, cy, out_dtype = self._queue(x, lengths, h0, c0, states_needed, last_only)
+            y, hy, cy, out_dtype = self._queue(x, lengths, h0, c0, states_needed, last_only, pooled)
+            if pooled is not None and not states_needed:
+                hy = cy = None  # computed for the pool, not read by the caller
             return self._download(y, hy, cy, out_dtype, last_only)
 
-    def _queue(self, x, lengths, h0, c0, states_needed, last_only):
+    def state_pool(self, max_slots: int) -> StatePool:
+        """Stream states on this engine's GPU, in its storage dtype (see :mod:`service.engines.state_pool`)."""
+        self._ensure_open()
+        with self._ctx.device, self._ctx.stream:
+            return StatePool(self.spec, self._cp, self._prec.store, max_slots)
+
+    def forward_pooled(self, x: Any, lengths: Any, h0: Any, c0: Any, pooled: PooledRows,
+                       states_needed: bool = True, last_only: bool = False) -> EngineOutput:
+        """:meth:`launch` with ``pooled`` rows, waited for (see the base class)."""
+        launched = self.launch(x, lengths, h0, c0, states_needed, last_only, pooled)
+        launched.wait()
+        return launched.finish()
+
+    def _queue(self, x, lengths, h0, c0, states_needed, last_only, pooled):
         """Inputs in, blocks run (and the many-to-one rows picked): (y, hy, cy, out_dtype) on the device."""
         x, b, t, lens, out_dtype = self._check(x, lengths, h0, c0)
-        pad_ok = self.spec.causal and not states_needed  # padding after a sequence cannot change it
-        x_d, h0_d, c0_d, lens_d = self._inputs(x, h0, c0, lens, t)
-        y, hy, cy, _, _ = self._run(x_d, b, t, lens, lengths is None, self._block_views(h0_d, c0_d), pad_ok,
-                                    zero_padding=not last_only, ragged_lens=lens_d)
+        # padding after a sequence cannot change it, but makes its final state invalid
+        pad_ok = self.spec.causal and not states_needed and pooled is None
+        x_d, h0_d, c0_d, lens_d, pairs_d = self._inputs(x, h0, c0, lens, t, None if pooled is None else pooled.pairs)
+        states = self._block_views(h0_d, c0_d)
+        if pooled is not None:
+            pooled.pool.reserve()
+            states = self._pool_read(states, b, pooled, pairs_d)
+        y, hy, cy, hys, cys = self._run(x_d, b, t, lens, lengths is None, states, pad_ok,
+                                        zero_padding=not last_only, ragged_lens=lens_d)
+        if pooled is not None:
+            self._pool_write(hys, cys, pooled, pairs_d)
         if last_only:
             y = self._last(y, b, t, lens, lens_d)
         return y, hy, cy, out_dtype
+
+    def _pool_read(self, states, b, pooled: PooledRows, pairs_d):
+        """Per-block initial states with the rows ``pooled`` reads copied from their slots (one kernel per array)."""
+        if not pooled.reads:
+            return states
+        cp, store = self._cp, self._prec.store
+        reads = pairs_d[:2 * pooled.reads]
+        out = []
+        for k, blk in enumerate(self.spec.blocks):
+            given = states[k] if states is not None else (None, None)
+            pair = []
+            for which, width in enumerate((blk.output_size, blk.hidden_size if blk.cell == "lstm" else None)):
+                if width is None:
+                    pair.append(None)
+                    continue
+                a = given[which]
+                if a is None:
+                    a = cp.zeros((blk.pseudo_layers, b, width), store)
+                copy_pairs(cp, pooled.pool.arrays[k][which], a, reads, pooled.reads)
+                pair.append(a)
+            out.append((pair[0], pair[1]))
+        return out
+
+    def _pool_write(self, hys, cys, pooled: PooledRows, pairs_d) -> None:
+        """The final states of the rows ``pooled`` writes, copied into their slots."""
+        writes = pairs_d[2 * pooled.reads:]
+        for k, (hy, cy) in enumerate(zip(hys, cys)):
+            h_pool, c_pool = pooled.pool.arrays[k]
+            copy_pairs(self._cp, hy, h_pool, writes, pooled.writes)
+            if cy is not None:
+                copy_pairs(self._cp, cy, c_pool, writes, pooled.writes)
 
     def forward_blocks(self, x: Any, lengths: Any = None,
                        states: Sequence[BlockState] | None = None) -> tuple[Any, list[BlockState]]:
@@ -355,7 +411,7 @@ class CudnnEngine(Engine):
             check_block_states(self.spec, states, b)
         cp, conv = self._cp, self._conv
         with self._lock, self._ctx.device, self._ctx.stream:
-            x_d, _, _, lens_d = self._inputs(x, None, None, lens, t)
+            x_d, _, _, lens_d, _ = self._inputs(x, None, None, lens, t)
             views = None
             if states is not None:
                 views = [tuple(None if a is None else conv.to_store(self._seq_major(a)) for a in st) for st in states]
@@ -364,37 +420,6 @@ class CudnnEngine(Engine):
                       for st in zip(hys, cys)]
             launched = self._download(y, None, None, out_dtype, False)
             return Launched(launched.event, lambda: (launched.finish().output, finals))
-
-    def gather_states(self, parts: Sequence[Sequence[BlockState] | None], counts: Sequence[int]) -> list[BlockState]:
-        """One batch's per-block states as CuPy arrays, gathered on the engine's stream (see the base class).
-
-        Each block's h (and c) comes from one gather kernel over the parts' device pointers
-        (:func:`.copies.gather_rows`), as a batch-first view of the sequence-major buffer that
-        :meth:`forward_blocks` hands to cuDNN without another copy. Parts that are not such
-        device arrays (NumPy, other dtypes) take the generic concatenation.
-        """
-        self._ensure_open()
-        cp = self._cp
-
-        def upload(ptrs: np.ndarray) -> Any:
-            return self._pointer_staging.upload([(ptrs, ptrs.dtype)], self._ctx.stream)[0]
-
-        with self._lock, self._ctx.device, self._ctx.stream:
-            out: list[BlockState] = []
-            for k, blk in enumerate(self.spec.blocks):
-                widths = (blk.output_size, blk.hidden_size if blk.cell == "lstm" else None)
-                pair: list[Any] = []
-                for which, width in enumerate(widths):
-                    got = None
-                    if width is not None:
-                        arrays = [None if part is None else part[k][which] for part in parts]
-                        got = gather_rows(cp, arrays, counts, blk.pseudo_layers, width, np.float32, upload)
-                        if got is None:
-                            return gather_block_states(self.spec, parts, counts, cp)
-                        got = got.transpose(1, 0, 2)
-                    pair.append(got)
-                out.append((pair[0], pair[1]))
-            return out
 
     # -- forward pieces ---------------------------------------------------------------------------
 
@@ -506,16 +531,17 @@ class CudnnEngine(Engine):
             lens_dev = self._cp.asarray(lens.astype(np.int32))
         return last_steps(self._cp, y, lens_dev, forward_cols)
 
-    def _inputs(self, x, h0, c0, lens, t):
-        """x, h0, c0 and (for a ragged batch) the int32 lengths on the device: (x, h0, c0, lens or None).
+    def _inputs(self, x, h0, c0, lens, t, pairs=None):
+        """x, h0, c0, (for a ragged batch) the int32 lengths and the int32 ``pairs`` on the device:
+        (x, h0, c0, lens or None, pairs or None).
 
-        Host inputs go up in one staged copy, the lengths with them (CuPy's asarray of a small
-        array cost more host time than the copy of x).
+        Host inputs go up in one staged copy, the lengths and pairs with them (CuPy's asarray of a
+        small array cost more host time than the copy of x).
         """
         cp, conv = self._cp, self._conv
         if isinstance(x, cp.ndarray):
             states = [None if s is None else conv.to_store(self._seq_major(s)) for s in (h0, c0)]
-            return conv.to_store(x), states[0], states[1], None
+            return conv.to_store(x), states[0], states[1], None, None if pairs is None else cp.asarray(pairs)
         ragged = int(lens.min()) < t
         staged = [(x, conv.staging_dtype(x.dtype))]
         for s in (h0, c0):
@@ -524,13 +550,16 @@ class CudnnEngine(Engine):
                 staged.append((s.transpose(1, 0, 2), conv.staging_dtype(s.dtype)))
         if ragged:
             staged.append((lens.astype(np.int32), np.dtype(np.int32)))
+        if pairs is not None:
+            staged.append((pairs, np.dtype(np.int32)))
         dev = self._staging.upload(staged, self._ctx.stream)
+        pairs_d = dev.pop() if pairs is not None else None
         lens_d = dev.pop() if ragged else None
         dev = [conv.to_store(a) for a in dev]
         x_d = dev.pop(0)
         h0_d = dev.pop(0) if h0 is not None else None
         c0_d = dev.pop(0) if c0 is not None else None
-        return x_d, h0_d, c0_d, lens_d
+        return x_d, h0_d, c0_d, lens_d, pairs_d
 
     def _uniform(self, n: int, t: int):
         hit = self._uniform_lengths.get((n, t))

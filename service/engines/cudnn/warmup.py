@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ..state_pool import PooledRows
 from .copies import warm
 
 log = logging.getLogger("rnnserve.engines.cudnn")
@@ -39,7 +40,11 @@ def _run_warm_batches(engine: Any, t: int) -> None:
         if engine.spec.causal:
             engine.forward(x, lens, states_needed=False)
             engine.forward(x, lens, states_needed=False, last_only=True)
-        _, finals = engine.forward_blocks(x[:2], lens[:2])
-        states = engine.gather_states([finals, None], [2, b - 2])
-        engine.forward_blocks(x, lens, states)
+        pool = engine.state_pool(b)
+        slots = [pool.acquire() for _ in range(b)]
+        first = PooledRows.of(pool, [], [(row, slot) for row, slot in enumerate(slots)])
+        engine.forward_pooled(x, lens, None, None, first, states_needed=False)
+        later = PooledRows.of(pool, [(slot, row) for row, slot in enumerate(slots) if row % 2],
+                              [(row, slot) for row, slot in enumerate(slots)])
+        engine.forward_pooled(x, lens, None, None, later, states_needed=False, last_only=True)
     engine._ctx.stream.synchronize()
