@@ -11,9 +11,13 @@ as front-end processes do, with --concurrency requests outstanding.
 
     python bench/engine_process.py                       # batching on and off, table
     python bench/engine_process.py --profile prof.out    # cProfile of the engine process's thread
+    python bench/engine_process.py --streams 256         # stateful stream chunks (10 steps) instead
 
 The table shows requests/s with the server's batching (``bench``) and with
 ``max_batch_size`` 1 (``bench_nobatch``), and the engine process's CPU time per request.
+With ``--streams N`` it sends N stateful streams' 10-step chunks instead, each stream its
+next chunk when the last is answered (model ``bench_stream``, the stand-in's state pool on
+the host).
 """
 from __future__ import annotations
 
@@ -57,7 +61,12 @@ class StandInEngine:
         self.gpu_s = gpu_ms / 1e3
         self.launch_s = launch_ms / 1e3
 
-    def launch(self, x, lengths=None, h0=None, c0=None, states_needed=True, last_only=False):
+    def state_pool(self, max_slots: int):
+        from service.engines.state_pool import StatePool
+
+        return StatePool(self.spec, np, np.float32, max_slots)
+
+    def launch(self, x, lengths=None, h0=None, c0=None, states_needed=True, last_only=False, pooled=None):
         from service.engines.base import EngineOutput, Launched
 
         end = time.perf_counter() + self.launch_s
@@ -86,11 +95,13 @@ class StandInEngine:
 
 
 def _client(path: str, model: str, generation: int, concurrency: int, seconds: float, seed: int, per_submit: int,
-            result) -> None:
+            result, streams: int = 0) -> None:
     """Send submit frames with ``concurrency`` outstanding for ``seconds``; report requests done.
 
-    ``per_submit`` > 1: each frame carries that many requests merged, as a front-end's coalescer sends them."""
+    ``per_submit`` > 1: each frame carries that many requests merged, as a front-end's coalescer sends them.
+    ``streams`` > 0: that many streams of 10-step chunks instead, each sending its next chunk when answered."""
     from service.dataplane.remote import FrameConnection
+    from service.dataplane.validation import StreamRequest
     from service.dataplane.view import Prepared
     from service.scheduler import SequenceWork
 
@@ -101,6 +112,15 @@ def _client(path: str, model: str, generation: int, concurrency: int, seconds: f
         x = np.zeros((per_submit, int(ts.max()), 40), np.float32)
         work = SequenceWork(x, ts.astype(np.int64), outputs=frozenset({"output_last"}))
         payloads.append(Prepared(work, None, None, per_submit) if per_submit > 1 else Prepared(work, None, None))
+    chunk = np.zeros((1, 10, 40), np.float32)
+    base = int(time.time() * 1000) % 1_000_000 * 10_000
+    started: set[int] = set()
+
+    def stream_chunk(k: int) -> Prepared:
+        work = SequenceWork(chunk, np.array([10]), outputs=frozenset({"output"}))
+        first = k not in started
+        started.add(k)
+        return Prepared(work, None, StreamRequest(str(base + k), first, False))
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -111,24 +131,27 @@ def _client(path: str, model: str, generation: int, concurrency: int, seconds: f
         finished = loop.create_future()
         conn: FrameConnection
 
-        def send() -> None:
-            conn.send((next(ids), "submit", (model, "", generation, next(pick))))
+        def send(stream: int = 0) -> None:
+            if streams:
+                conn.send((stream, "submit", (model, "", generation, stream_chunk(stream))))
+            else:
+                conn.send((next(ids), "submit", (model, "", generation, next(pick))))
 
         def on_reply(msg) -> None:
             nonlocal done
-            _, ok, value = msg
+            sent, ok, value = msg
             if not ok:
                 raise value
             done += per_submit
             if loop.time() < stop_at:
-                send()
+                send(sent)
             elif not finished.done():
                 finished.set_result(None)
 
         _, conn = await loop.create_unix_connection(lambda: FrameConnection(on_reply), path)
         start = loop.time()
-        for _ in range(max(1, concurrency // per_submit)):
-            send()
+        for k in range(streams or max(1, concurrency // per_submit)):
+            send(k)
         await finished
         result.put(done / (loop.time() - start))
         conn.close()
@@ -151,7 +174,8 @@ async def _serve(args, repo: Path, model: str, profile: cProfile.Profile | None)
     ctx = multiprocessing.get_context("spawn")
     result = ctx.Queue()
     client = ctx.Process(target=_client, args=(path, model, generation, args.concurrency, args.seconds, 1,
-                                                   args.per_submit if model == "bench" else 1, result))
+                                                   args.per_submit if model == "bench" else 1, result,
+                                                   args.streams))
     client.start()
     cpu0, wall0 = time.thread_time(), time.perf_counter()
     if profile is not None:
@@ -179,6 +203,8 @@ def main() -> None:
     parser.add_argument("--per-submit", type=int, default=1,
                         help="requests per submit frame on the batching model (a front-end's coalescing)")
     parser.add_argument("--only", choices=("bench", "bench_nobatch"))
+    parser.add_argument("--streams", type=int, default=0,
+                        help="N stateful streams of 10-step chunks (model bench_stream) instead of requests")
     args = parser.parse_args()
 
     import serve
@@ -195,6 +221,18 @@ def main() -> None:
 
 def _table(args: argparse.Namespace, repo: Path, serve) -> None:
     serve.write_repository(repo, 40, 128, 1)
+    if args.streams:
+        serve.write_stream_model(repo, 40, 256, 2)
+        print(f"engine process alone: stand-in engine (launch {args.launch_ms} ms GIL-held, wait {args.gpu_ms} ms), "
+              f"{args.streams} streams of 10-step chunks, closed loop, {args.seconds}s")
+        print("| model         |  chunks/s | engine-process CPU per chunk (µs) | CPU busy |")
+        print("|---------------|----------:|----------------------------------:|---------:|")
+        profile = cProfile.Profile() if args.profile else None
+        rate, cpu, wall = asyncio.run(_serve(args, repo, "bench_stream", profile))
+        print(f"| bench_stream  | {rate:9.0f} | {1e6 * cpu / max(1.0, rate * wall):33.1f} | {100 * cpu / wall:7.0f}% |")
+        if profile is not None:
+            profile.dump_stats(args.profile)
+        return
     print(f"engine process alone: stand-in engine (launch {args.launch_ms} ms GIL-held, wait {args.gpu_ms} ms), "
           f"concurrency {args.concurrency}, {args.seconds}s per row, lengths 20..200, output_last")
     print("| model         |    req/s | engine-process CPU per request (µs) | CPU busy |")

@@ -97,6 +97,7 @@ class Scheduler:
         self.max_queue_size = max_queue_size
         self._metrics = metrics
         self._waiting: list[_Waiting] = []
+        self._queued = 0  # sequences in self._waiting (read on every enqueue: no sum over the queue)
         self._wake = asyncio.Event()
         self._closing = False
         self._task: asyncio.Task | None = None
@@ -136,6 +137,7 @@ class Scheduler:
             for item in self._waiting:
                 self._finish(item, Unavailable(f"model '{self.model}' version {self.version} was unloaded"))
             self._waiting.clear()
+            self._queued = 0
         self._wake.set()
         if self._task is not None:
             await self._task
@@ -178,13 +180,14 @@ class Scheduler:
             item.timer = loop.call_later(deadline - now, self._expire, item)
         item.future.add_done_callback(lambda _: self._settled(item))
         self._waiting.append(item)
+        self._queued += work.sequences
         self._set_depth()
         if not self._holding or self._full():
             self._wake.set()
         return item.future
 
     def _full(self) -> bool:
-        return sum(w.work.sequences for w in self._waiting) >= self.max_batch_size
+        return self._queued >= self.max_batch_size
 
     def _expire(self, item: _Waiting) -> None:
         if item.state == _QUEUED:
@@ -206,9 +209,11 @@ class Scheduler:
         )
 
     def _drop(self, item: _Waiting) -> None:
-        item.state = _DROPPED
-        with contextlib.suppress(ValueError):  # already taken into a batch
-            self._waiting.remove(item)
+        was_queued, item.state = item.state == _QUEUED, _DROPPED
+        if was_queued:
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(item)
+                self._queued -= item.work.sequences
         self._set_depth()
 
     def _set_depth(self) -> None:
@@ -259,7 +264,7 @@ class Scheduler:
 
     async def _batching_window(self) -> None:
         while self._waiting and not self._closing:
-            if sum(w.work.sequences for w in self._waiting) >= self.max_batch_size:
+            if self._queued >= self.max_batch_size:
                 return
             remaining = self._waiting[0].enqueued + self.max_queue_delay - time.monotonic()
             if remaining <= 0:
@@ -279,16 +284,18 @@ class Scheduler:
             return []
         chosen = self._choose(self._waiting)
         for item in chosen:
-            self._waiting.remove(item)
             item.state = _RUNNING
             item.queue_seconds = now - item.enqueued
+            self._queued -= item.work.sequences
+        # one pass, not a list.remove per chosen request (hundreds wait under stream load)
+        self._waiting = [] if len(chosen) == len(self._waiting) else [w for w in self._waiting if w.state == _QUEUED]
         self._set_depth()
         return chosen
 
     def _choose(self, waiting: list[_Waiting]) -> list[_Waiting]:
         """Pick the next batch: everything if it fits, else the oldest plus its nearest neighbours in length."""
         cap = self.max_batch_size
-        if sum(w.work.sequences for w in waiting) <= cap:
+        if self._queued <= cap:
             return list(waiting)
         anchor = waiting[0]
         if anchor.work.sequences >= cap:
