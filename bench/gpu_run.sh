@@ -2,7 +2,7 @@
 # One full run on a lent GPU machine (see the device tool): the GPU test suite and the
 # benchmarks, logs and JSON written to $OUT. The machine has no package index, so the
 # wheels it lacks travel in .gpu-wheels (FastAPI, uvicorn, pydantic, tritonclient, grpcio...).
-#   usage (device tool, carry .gpu-wheels):  bash bench/gpu_run.sh [tests|serve|engine|profile|cprofile|all]
+#   usage (device tool, carry .gpu-wheels):  bash bench/gpu_run.sh [tests|serve|engine|profile|cprofile|stalls|all]
 # profile: py-spy samples (per thread) of the engine process of `rnnserve serve --frontends 6` under
 # binary-HTTP and gRPC load at concurrency 64 and under 256 paced streams (py-spy wheel in .gpu-wheels): all
 # threads, then only the thread holding the GIL (--gil). PROTOS picks the loads (default: all three).
@@ -35,7 +35,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   timeout 270 python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
 fi
 if [ "$what" = all ] || [ "$what" = serve ]; then
-  timeout 240 python3 bench/serve.py --device cuda --out "$OUT/serve_gpu.json" 2>&1 | tee "$OUT/serve_gpu.log" || rc=1
+  timeout 400 python3 bench/serve.py --device cuda ${SERVE_ARGS:---frontends 6} --out "$OUT/serve_gpu.json" 2>&1 | tee "$OUT/serve_gpu.log" || rc=1
 fi
 if [ "$what" = all ] || [ "$what" = engine ]; then
   timeout 310 python3 bench/gpu_engine.py --out "$OUT/gpu_engine.json" 2>&1 | tee "$OUT/gpu_engine.log" || rc=1
@@ -85,5 +85,22 @@ import pstats, sys
 for key in ('tottime', 'cumtime'):
     pstats.Stats('$OUT/engine.prof', stream=sys.stdout).sort_stats(key).print_stats(60)" > "$OUT/engine_prof.txt" 2>&1
   timeout 120 python3 bench/engine_process.py 2>&1 | tee "$OUT/engine_process.log"
+fi
+if [ "$what" = stalls ]; then
+  # 256 paced streams twice against one server whose warnings (slow garbage collections, blocked event
+  # loops, with timestamps and front-end pids) go to stalls_server.log; stalls_times.log: when each pass ended
+  profile_repository
+  python3 -m service.cli serve --repository /tmp/prepo --host 127.0.0.1 --http-port 18000 --grpc-port 18001 \
+    --device cuda --frontends ${FRONTENDS:-6} --log-level warning > "$OUT/stalls_server.log" 2>&1 &
+  spid=$!
+  wait_ready
+  date +%T.%N > "$OUT/stalls_times.log"
+  for pass in 1 2; do
+    python3 bench/serve.py --url 127.0.0.1:18000 --grpc-url 127.0.0.1:18001 --scenario streams --device cuda \
+      --streams 256 --chunk-interval-ms 100 --paced-seconds 6 --clients 6 2>&1 | tail -3 | tee -a "$OUT/stalls_load.log"
+    date +%T.%N >> "$OUT/stalls_times.log"
+  done
+  kill -TERM $spid; wait $spid
+  echo "slow collections: $(grep -c 'paused this process' "$OUT/stalls_server.log"), blocked loops: $(grep -c 'blocked for' "$OUT/stalls_server.log")"
 fi
 exit $rc

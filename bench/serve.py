@@ -432,7 +432,8 @@ def run_distributed(cell: dict, clients: int) -> dict:
 
 
 _SERVER_SERIES = ("rnnserve_batch_size_count", "rnnserve_batch_size_sum", "rnnserve_compute_duration_seconds_sum",
-                  "rnnserve_request_duration_seconds_sum", "rnnserve_request_duration_seconds_count")
+                  "rnnserve_request_duration_seconds_sum", "rnnserve_request_duration_seconds_count",
+                  "rnnserve_queue_duration_seconds_sum", "rnnserve_queue_duration_seconds_count")
 
 
 def server_counters(http_url: str, model: str) -> dict[str, float]:
@@ -467,7 +468,9 @@ def server_side(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     return {"server_ms": 1e3 * d["rnnserve_request_duration_seconds_sum"] / requests if requests else None,
             "avg_batch": d["rnnserve_batch_size_sum"] / batches if batches else None,
             "batch_ms": 1e3 * d["rnnserve_compute_duration_seconds_sum"] / batches if batches else None,
-            "server_slow": int(requests - d["fast"])}
+            "server_slow": int(requests - d["fast"]),
+            "queue_ms": (1e3 * d["rnnserve_queue_duration_seconds_sum"] / d["rnnserve_queue_duration_seconds_count"]
+                         if d["rnnserve_queue_duration_seconds_count"] else None)}
 
 
 async def bench(args: argparse.Namespace, http_url: str, grpc_url: str | None, models: list[str]) -> list[dict]:
@@ -728,6 +731,7 @@ def _format_stream_row(r: dict) -> str:
     pace = f"{r['interval_ms']:.0f} ms" if r["interval_ms"] else "closed"
     return (f"| {r['mode']:<9} | {pace:>8} | {r['streams']:>7} | {r['chunks']:>6} | {r['chunks_per_s']:>9.1f} | "
             f"{num(r['p50_ms'], '.2f'):>8} | {num(r['p99_ms'], '.2f'):>8} | {num(r.get('server_ms'), '.2f'):>9} | "
+            f"{num(r.get('queue_ms'), '.2f'):>8} | "
             f"{num(r.get('avg_batch'), '.1f'):>9} | {num(r.get('batch_ms'), '.2f'):>8} | {r['slow_chunks']:>6} | "
             f"{num(r.get('server_slow'), 'd'):>10} | "
             f"{num(None if r['slow_in_worst_5'] is None else 100 * r['slow_in_worst_5'], '.0f'):>7} | {r['errors']:>6} |"
@@ -735,9 +739,11 @@ def _format_stream_row(r: dict) -> str:
             + (f"; worst windows at {r['worst_windows_s']} s" if r.get("worst_windows_s") else ""))
 
 
-STREAM_HEAD = ("| mode      |   sends  | streams | chunks |  chunks/s |  p50 ms  |  p99 ms  | server ms | avg batch | batch ms "
+STREAM_HEAD = ("| mode      |   sends  | streams | chunks |  chunks/s |  p50 ms  |  p99 ms  | server ms | queue ms | avg batch "
+               "| batch ms "
                "| >10 ms | srv >10 ms | worst5% | errors |\n"
-               "|-----------|---------:|--------:|-------:|----------:|---------:|---------:|----------:|----------:|---------:"
+               "|-----------|---------:|--------:|-------:|----------:|---------:|---------:|----------:|---------:|----------:"
+               "|---------:"
                "|-------:|-----------:|--------:|-------:|")
 
 

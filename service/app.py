@@ -189,7 +189,7 @@ async def serve(settings: ServeSettings, dataplane: DataPlane | None = None,
 
     install_stop_handlers(stop)
     load_task = asyncio.create_task(dataplane.start(), name="load-models")
-    load_task.add_done_callback(lambda _: freeze_heap())  # models loaded: see service.heap
+    load_task.add_done_callback(_serving)
     load_task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.error(
         "loading the repository failed: %s", t.exception()))
 
@@ -210,6 +210,12 @@ async def serve(settings: ServeSettings, dataplane: DataPlane | None = None,
         return 1
     log.info("rnnserve: stopped")
     return 0
+
+
+def _serving(_: Any) -> None:
+    """Models loaded: freeze the heap (see service.heap) and watch the event loop for stalls."""
+    freeze_heap()
+    eventloop.start_stall_watch()
 
 
 def serve_main(argv: list[str]) -> int:

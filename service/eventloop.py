@@ -4,6 +4,9 @@ uvloop (what ``uvicorn[standard]`` uses) halves the event loop's own cost per re
 every request crosses the loop several times (socket read, scheduler queue, worker
 thread hand-off, response write), so it shows directly in latency and requests/s.
 ``--event-loop asyncio`` keeps the standard loop (e.g. to compare, or to debug).
+
+:func:`watch_stalls` logs when something held a process's event loop for longer than
+:data:`STALL_S` (every request the process holds waits that long).
 """
 from __future__ import annotations
 
@@ -16,6 +19,9 @@ from .errors import InvalidInput
 T = TypeVar("T")
 EventLoopName = Literal["auto", "uvloop", "asyncio"]
 log = logging.getLogger("rnnserve.eventloop")
+
+STALL_S = 0.020
+_TICK_S = 0.050
 
 
 def loop_factory(name: EventLoopName) -> Any:
@@ -42,3 +48,24 @@ def run(main: Coroutine[Any, Any, T], name: EventLoopName = "auto") -> T:
     with asyncio.Runner(loop_factory=factory) as runner:
         log.debug("event loop: %s", "uvloop" if factory is not None else "asyncio")
         return runner.run(main)
+
+
+async def watch_stalls(threshold_s: float = STALL_S) -> None:
+    """Run forever: log each time the loop came back to a timer ``threshold_s`` or more late."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + _TICK_S
+        await asyncio.sleep(_TICK_S)
+        late = loop.time() - due
+        if late >= threshold_s:
+            log.warning("this process's event loop was blocked for about %.0f ms", 1e3 * late)
+
+
+_watchers: set[asyncio.Task] = set()
+
+
+def start_stall_watch() -> None:
+    """Start :func:`watch_stalls` in the running loop (once it serves: loading models may block it)."""
+    task = asyncio.get_running_loop().create_task(watch_stalls(), name="stall-watch")
+    _watchers.add(task)
+    task.add_done_callback(_watchers.discard)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from . import eventloop
-from .app import Transports, _free_port, build_dataplane, install_stop_handlers, remove_stop_handlers
+from .app import Transports, _free_port, _serving, build_dataplane, install_stop_handlers, remove_stop_handlers
 from .dataplane.remote import DataPlaneServer, RemoteDataPlane
 from .errors import RNNServeError
 from .heap import freeze_heap
@@ -63,6 +63,7 @@ async def _frontend(settings: ServeSettings, socket_path: str, started: Any) -> 
     transports = await Transports.start(dataplane, settings, reuse_port=True)
     install_stop_handlers(stop)
     freeze_heap()
+    eventloop.start_stall_watch()
     started.put(("ok", os.getpid()))
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({stopper, transports.http_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -107,7 +108,7 @@ async def serve_with_frontends(settings: ServeSettings, stop_event: asyncio.Even
         log.info("%s; %d front-end processes; loading models from %s on device %s", line, len(procs),
                  settings.repository, settings.device)
         load_task = asyncio.create_task(dataplane.start(), name="load-models")
-        load_task.add_done_callback(lambda _: freeze_heap())  # models loaded: see service.heap
+        load_task.add_done_callback(_serving)
         watch = asyncio.create_task(_watch(procs))
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({stopper, watch}, return_when=asyncio.FIRST_COMPLETED)

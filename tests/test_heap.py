@@ -14,4 +14,21 @@ def test_freeze_heap_exempts_live_objects():
         assert gc.get_freeze_count() >= len(keep)
     finally:
         gc.unfreeze()
+        gc.callbacks[:] = [cb for cb in gc.callbacks if type(cb).__name__ != "_PauseLog"]
     assert gc.get_freeze_count() == 0
+
+
+def test_a_long_collection_is_logged(caplog):
+    import gc
+
+    from service import heap
+
+    hook = heap._PauseLog(0.0)  # every collection counts as long
+    gc.callbacks.append(hook)
+    try:
+        with caplog.at_level("WARNING", logger="rnnserve.heap"):
+            gc.collect()
+    finally:
+        gc.callbacks.remove(hook)
+    assert any("paused this process" in r.getMessage() for r in caplog.records)
+

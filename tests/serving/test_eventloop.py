@@ -28,3 +28,19 @@ def test_without_uvloop_auto_falls_back_and_uvloop_is_an_error(monkeypatch: pyte
     assert eventloop.run(_loop_type(), "auto").startswith("asyncio")
     with pytest.raises(InvalidInput, match="pip install uvloop"):
         eventloop.run(_loop_type(), "uvloop")
+
+
+@pytest.mark.asyncio
+async def test_a_blocked_event_loop_is_logged(caplog):
+    import asyncio
+    import time
+
+    from service import eventloop
+
+    with caplog.at_level("WARNING", logger="rnnserve.eventloop"):
+        watch = asyncio.create_task(eventloop.watch_stalls(0.03))
+        await asyncio.sleep(0.01)
+        time.sleep(0.12)  # holds the loop
+        await asyncio.sleep(0.1)
+        watch.cancel()
+    assert any("event loop was blocked for about" in r.getMessage() for r in caplog.records)
