@@ -118,3 +118,26 @@ async def test_a_cancelled_chunk_ends_its_stream_and_every_slot_comes_back(repo)
         assert pool.in_use == 0  # cancelled, ended and expired streams gave their slots back
         assert (await client.post("/v2/models/lstm/infer", json=_chunk(x, 4, True))).status_code == 200
         assert pool.in_use == 1
+
+
+async def test_a_chunk_cancelled_while_waiting_its_turn_changes_nothing(repo):
+    # a 50 ms batching window keeps the first chunk running while the next ones wait behind it
+    write_config(repo, "lstm", max_queue_delay_us=50_000)
+    x = np.random.default_rng(5).standard_normal((1, 6, 4)).astype(np.float32)
+    engine = create_engine(load_model(repo / "lstm"), "cpu")
+    async with rest_client(repo) as (_, dataplane):
+        def req(a, b, **p):
+            return InferRequest("lstm", inputs=[InferTensor("input", "FP32", [1, b - a, 4], x[:, a:b])],
+                                parameters={"sequence_id": 31, **p})
+        first = asyncio.create_task(dataplane.infer(req(0, 2, sequence_start=True)))
+        await asyncio.sleep(0.005)
+        skipped = asyncio.create_task(dataplane.infer(req(0, 3)))  # would move the state if it ran
+        await asyncio.sleep(0.005)
+        skipped.cancel()
+        last = asyncio.create_task(dataplane.infer(req(2, 6, sequence_end=True)))
+        answers = [await first, await last]
+        with pytest.raises(asyncio.CancelledError):
+            await skipped
+        assert dataplane.registry.serving("lstm").streams.pool.in_use == 0
+    out = np.concatenate([next(t.data for t in a.outputs if t.name == "output") for a in answers], axis=1)
+    np.testing.assert_allclose(out, engine.forward(x).output, atol=1e-5)
