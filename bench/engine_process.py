@@ -95,11 +95,14 @@ class StandInEngine:
 
 
 def _client(path: str, model: str, generation: int, concurrency: int, seconds: float, seed: int, per_submit: int,
-            result, streams: int = 0) -> None:
+            result, streams: int = 0, paced_ms: float = 0.0, stateless: bool = False) -> None:
     """Send submit frames with ``concurrency`` outstanding for ``seconds``; report requests done.
 
     ``per_submit`` > 1: each frame carries that many requests merged, as a front-end's coalescer sends them.
-    ``streams`` > 0: that many streams of 10-step chunks instead, each sending its next chunk when answered."""
+    ``streams`` > 0: that many streams of 10-step chunks instead, each sending its next chunk when answered,
+    or (``paced_ms``) every ``paced_ms`` ms (at once if the answer came later), offsets spread over one interval;
+    ``stateless``: the chunks carry h_0/c_0 and ask for h_n/c_n instead of a sequence_id.
+    Puts (requests/s, latencies in s)."""
     from service.dataplane.remote import FrameConnection
     from service.dataplane.validation import StreamRequest
     from service.dataplane.view import Prepared
@@ -116,7 +119,12 @@ def _client(path: str, model: str, generation: int, concurrency: int, seconds: f
     base = int(time.time() * 1000) % 1_000_000 * 10_000
     started: set[int] = set()
 
+    zeros = np.zeros((1, 2, 256), np.float32)  # the stream model's h and c: 2 layers, 256 wide
+
     def stream_chunk(k: int) -> Prepared:
+        if stateless:
+            work = SequenceWork(chunk, np.array([10]), zeros, zeros, frozenset({"output", "h_n", "c_n"}))
+            return Prepared(work, None, None)
         work = SequenceWork(chunk, np.array([10]), outputs=frozenset({"output"}))
         first = k not in started
         started.add(k)
@@ -130,9 +138,14 @@ def _client(path: str, model: str, generation: int, concurrency: int, seconds: f
         stop_at = loop.time() + seconds
         finished = loop.create_future()
         conn: FrameConnection
+        sent_at: dict[int, float] = {}
+        latencies: list[float] = []
+        interval = paced_ms / 1e3
+        due = {k: loop.time() + interval * k / max(1, streams) for k in range(streams)}
 
         def send(stream: int = 0) -> None:
             if streams:
+                sent_at[stream] = time.perf_counter()
                 conn.send((stream, "submit", (model, "", generation, stream_chunk(stream))))
             else:
                 conn.send((next(ids), "submit", (model, "", generation, next(pick))))
@@ -143,29 +156,47 @@ def _client(path: str, model: str, generation: int, concurrency: int, seconds: f
             if not ok:
                 raise value
             done += per_submit
+            if streams:
+                latencies.append(time.perf_counter() - sent_at[sent])
             if loop.time() < stop_at:
-                send(sent)
+                if interval:
+                    due[sent] += interval
+                    loop.call_at(max(due[sent], loop.time()), send, sent)
+                else:
+                    send(sent)
             elif not finished.done():
                 finished.set_result(None)
 
         _, conn = await loop.create_unix_connection(lambda: FrameConnection(on_reply), path)
         start = loop.time()
         for k in range(streams or max(1, concurrency // per_submit)):
-            send(k)
+            if interval:
+                loop.call_at(due[k], send, k)
+            else:
+                send(k)
         await finished
-        result.put(done / (loop.time() - start))
+        result.put((done / (loop.time() - start), latencies))
         conn.close()
 
     asyncio.run(main())
 
 
-async def _serve(args, repo: Path, model: str, profile: cProfile.Profile | None) -> tuple[float, float, float]:
+def _total(registry, name: str, model: str) -> float:
+    return sum(s.value for m in registry.collect() for s in m.samples
+               if s.name == name and s.labels.get("model") == model)
+
+
+async def _serve(args, repo: Path, model: str, profile: cProfile.Profile | None
+                 ) -> tuple[float, float, float, list[float], dict[str, float]]:
     from service.dataplane import DataPlane
     from service.dataplane.remote import DataPlaneServer
     from service.registry import ModelRegistry
 
-    registry = ModelRegistry(repo, device="cpu")
-    dataplane = DataPlane(registry)
+    from service.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    registry = ModelRegistry(repo, device="cpu", metrics=metrics)
+    dataplane = DataPlane(registry, metrics)
     await dataplane.start()
     path = str(repo / "engine.sock")
     server = DataPlaneServer(dataplane, path)
@@ -175,22 +206,25 @@ async def _serve(args, repo: Path, model: str, profile: cProfile.Profile | None)
     result = ctx.Queue()
     client = ctx.Process(target=_client, args=(path, model, generation, args.concurrency, args.seconds, 1,
                                                    args.per_submit if model == "bench" else 1, result,
-                                                   args.streams))
+                                                   args.streams, args.paced_ms, args.stateless))
     client.start()
     cpu0, wall0 = time.thread_time(), time.perf_counter()
     if profile is not None:
         profile.enable()
     loop = asyncio.get_running_loop()
-    rate = await loop.run_in_executor(None, result.get)
+    rate, latencies = await loop.run_in_executor(None, result.get)
     if profile is not None:
         profile.disable()
     cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
     client.join()
+    totals = {name: _total(metrics.registry, f"rnnserve_{name}", model) for name in (
+        "request_duration_seconds_sum", "request_duration_seconds_count", "queue_duration_seconds_sum",
+        "queue_duration_seconds_count", "compute_duration_seconds_sum", "batch_size_count", "batch_size_sum")}
     sched = registry.serving(model).scheduler
     await server.stop()
     await dataplane.stop()
     del sched
-    return rate, cpu, wall
+    return rate, cpu, wall, latencies, totals
 
 
 def main() -> None:
@@ -204,7 +238,11 @@ def main() -> None:
                         help="requests per submit frame on the batching model (a front-end's coalescing)")
     parser.add_argument("--only", choices=("bench", "bench_nobatch"))
     parser.add_argument("--streams", type=int, default=0,
-                        help="N stateful streams of 10-step chunks (model bench_stream) instead of requests")
+                        help="N streams of 10-step chunks (model bench_stream) instead of requests: stateful, "
+                             "then stateless (the chunks carry h_0/c_0 and ask for h_n/c_n)")
+    parser.add_argument("--paced-ms", type=float, default=0.0,
+                        help="with --streams: each stream sends a chunk every this many ms (0: when answered)")
+    parser.set_defaults(stateless=False)
     args = parser.parse_args()
 
     import serve
@@ -223,15 +261,27 @@ def _table(args: argparse.Namespace, repo: Path, serve) -> None:
     serve.write_repository(repo, 40, 128, 1)
     if args.streams:
         serve.write_stream_model(repo, 40, 256, 2)
+        sends = f"one every {args.paced_ms:g} ms per stream" if args.paced_ms else "closed loop"
         print(f"engine process alone: stand-in engine (launch {args.launch_ms} ms GIL-held, wait {args.gpu_ms} ms), "
-              f"{args.streams} streams of 10-step chunks, closed loop, {args.seconds}s")
-        print("| model         |  chunks/s | engine-process CPU per chunk (µs) | CPU busy |")
-        print("|---------------|----------:|----------------------------------:|---------:|")
-        profile = cProfile.Profile() if args.profile else None
-        rate, cpu, wall = asyncio.run(_serve(args, repo, "bench_stream", profile))
-        print(f"| bench_stream  | {rate:9.0f} | {1e6 * cpu / max(1.0, rate * wall):33.1f} | {100 * cpu / wall:7.0f}% |")
-        if profile is not None:
-            profile.dump_stats(args.profile)
+              f"{args.streams} streams of 10-step chunks, {sends}, {args.seconds}s; latency: client to engine "
+              f"process and back over its socket")
+        print("| mode      |  chunks/s | p50 ms | p99 ms | server ms | queue ms | batch ms | avg batch | "
+              "CPU per chunk (µs) | CPU busy |")
+        print("|-----------|----------:|-------:|-------:|----------:|---------:|---------:|----------:|"
+              "-------------------:|---------:|")
+        for stateless in (False, True):
+            args.stateless = stateless
+            profile = cProfile.Profile() if args.profile else None
+            rate, cpu, wall, lat, t = asyncio.run(_serve(args, repo, "bench_stream", profile))
+            lat_ms = 1e3 * np.asarray(lat)
+            reqs, batches = max(1.0, t["request_duration_seconds_count"]), max(1.0, t["batch_size_count"])
+            print(f"| {'stateless' if stateless else 'stateful':9s} | {rate:9.0f} | {np.percentile(lat_ms, 50):6.2f} | "
+                  f"{np.percentile(lat_ms, 99):6.2f} | {1e3 * t['request_duration_seconds_sum'] / reqs:9.2f} | "
+                  f"{1e3 * t['queue_duration_seconds_sum'] / max(1.0, t['queue_duration_seconds_count']):8.2f} | "
+                  f"{1e3 * t['compute_duration_seconds_sum'] / batches:8.2f} | {t['batch_size_sum'] / batches:9.1f} | "
+                  f"{1e6 * cpu / max(1.0, rate * wall):18.1f} | {100 * cpu / wall:7.0f}% |", flush=True)
+            if profile is not None:
+                profile.dump_stats(f"{args.profile}.{'stateless' if stateless else 'stateful'}")
         return
     print(f"engine process alone: stand-in engine (launch {args.launch_ms} ms GIL-held, wait {args.gpu_ms} ms), "
           f"concurrency {args.concurrency}, {args.seconds}s per row, lengths 20..200, output_last")
@@ -241,7 +291,7 @@ def _table(args: argparse.Namespace, repo: Path, serve) -> None:
         if args.only and model != args.only:
             continue
         profile = cProfile.Profile() if args.profile and model == "bench" else None
-        rate, cpu, wall = asyncio.run(_serve(args, repo, model, profile))
+        rate, cpu, wall, _, _ = asyncio.run(_serve(args, repo, model, profile))
         per = 1e6 * cpu / max(1.0, rate * wall)
         print(f"| {model:13s} | {rate:8.0f} | {per:35.1f} | {100 * cpu / wall:7.0f}% |", flush=True)
         if profile is not None:

@@ -713,7 +713,7 @@ async def bench_streams(args: argparse.Namespace, http_url: str, grpc_url: str |
     for interval_ms in args.chunk_interval_ms:
         for n in args.streams:
             chunks = max(4, total // n) if not interval_ms else max(4, int(args.paced_seconds * 1000 / interval_ms))
-            for stateful in (True, False):
+            for stateful in (mode == "stateful" for mode in args.stream_modes):
                 job["base"] += 100_000
                 cell = {**job, "chunks": chunks, "stateful": stateful, "interval": interval_ms / 1000}
                 before = server_counters(http_url, args.stream_model)
@@ -807,6 +807,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-chunks", type=int, default=0,
                    help="chunks per cell, shared over its streams (at least 4 per stream; default 2000 on cuda, "
                         "600 otherwise)")
+    p.add_argument("--stream-modes", type=lambda s: s.split(","), default=["stateful", "stateless"],
+                   help="which of stateful,stateless the streams scenario runs (default both)")
     p.add_argument("--chunk-interval-ms", type=lambda s: [float(c) for c in s.split(",")], default=[0.0, 100.0],
                    help="how each stream sends its chunks: 0 = the next as soon as the answer arrives (closed loop, "
                         "the server's saturation), T > 0 = one every T ms like a live source (default 0,100: a "
