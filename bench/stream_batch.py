@@ -63,14 +63,14 @@ def main() -> int:
                 x = rng.standard_normal((n, args.steps, 40)).astype(np.float32)
                 pool = engine.state_pool(n)
                 slots = [pool.acquire() for _ in range(n)]
-                engine.forward_pooled(x, None, None, None, PooledRows.of(pool, [], list(enumerate(slots))),
+                engine.forward_pooled(x, None, None, None, PooledRows.of(pool, n, [], list(enumerate(slots))),
                                       states_needed=False)
                 host, wall, gpu = [], [], []
                 for _ in range(args.reps):
                     start, end = cp.cuda.Event(), cp.cuda.Event()
                     t0 = time.perf_counter()
                     start.record(engine._ctx.stream)
-                    pooled = PooledRows.of(pool, [(s, row) for row, s in enumerate(slots)], list(enumerate(slots)))
+                    pooled = PooledRows.of(pool, n, [(s, row) for row, s in enumerate(slots)], list(enumerate(slots)))
                     launched = engine.launch(x, None, None, None, states_needed=False, pooled=pooled)
                     end.record(engine._ctx.stream)
                     t1 = time.perf_counter()

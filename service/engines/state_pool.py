@@ -94,28 +94,35 @@ class StatePool:
 
 @dataclass(frozen=True)
 class PooledRows:
-    """The stream rows of one batch: which read their initial state from a slot, and where final states go.
+    """The stream rows of one batch of ``rows`` sequences: where each starts from and where its final state goes.
 
-    ``pairs`` is one int32 array: ``reads`` (slot, row) pairs, then ``writes`` (row, slot)
-    pairs, the order each copy's source and destination come in (so the GPU engine uploads
-    it with the batch's inputs and copies straight from it).
+    ``index`` is one int32 array ``[2, rows]``: ``index[0, b]`` the slot row ``b`` reads its
+    initial state from (-1: none, it starts from its own h_0/c_0 or zeros), ``index[1, b]``
+    the slot its final state goes to (-1: none). One array, so the GPU engine uploads it with
+    the batch's inputs and each block's gather and scatter is one kernel reading it.
     """
 
     pool: StatePool
-    pairs: np.ndarray
+    index: np.ndarray
     reads: int
-    writes: int
 
     @classmethod
-    def of(cls, pool: StatePool, reads: list[tuple[int, int]], writes: list[tuple[int, int]]) -> "PooledRows":
-        """From (slot, row) reads and (row, slot) writes."""
-        flat = [v for pair in reads for v in pair] + [v for pair in writes for v in pair]
-        return cls(pool, np.asarray(flat, dtype=np.int32), len(reads), len(writes))
+    def of(cls, pool: StatePool, rows: int, reads: list[tuple[int, int]], writes: list[tuple[int, int]]
+           ) -> "PooledRows":
+        """From (slot, row) reads and (row, slot) writes in a batch of ``rows``."""
+        index = np.full((2, rows), -1, dtype=np.int32)
+        for slot, row in reads:
+            index[0, row] = slot
+        for row, slot in writes:
+            index[1, row] = slot
+        return cls(pool, index, len(reads))
 
     def read_pairs(self) -> np.ndarray:
         """[reads, 2] (slot, row)."""
-        return self.pairs[:2 * self.reads].reshape(-1, 2)
+        rows = np.flatnonzero(self.index[0] >= 0)
+        return np.stack([self.index[0, rows], rows], axis=1)
 
     def write_pairs(self) -> np.ndarray:
         """[writes, 2] (row, slot)."""
-        return self.pairs[2 * self.reads:].reshape(-1, 2)
+        rows = np.flatnonzero(self.index[1] >= 0)
+        return np.stack([rows, self.index[1, rows]], axis=1)

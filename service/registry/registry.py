@@ -21,6 +21,7 @@ import itertools
 import logging
 import re
 import time
+from functools import cached_property
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -65,8 +66,9 @@ class ServedVersion:
     # Identifies this load of the version across processes (front-ends cache a view of it).
     generation: int = field(default_factory=_GENERATIONS.__next__)
 
-    @property
+    @cached_property
     def label(self) -> str:
+        """The version as the metrics label and API string (read for every request and stream chunk)."""
         return str(self.version)
 
     @property

@@ -217,7 +217,7 @@ def pooled_rows(parts: list[SequenceWork]) -> PooledRows | None:
                 reads.append((p.slot, row))
             writes.append((row, p.slot))
         row += p.sequences
-    return None if pool is None else PooledRows.of(pool, reads, writes)
+    return None if pool is None else PooledRows.of(pool, row, reads, writes)
 
 
 def _options(engine: Any, parts: list[SequenceWork], pooled: bool = False) -> dict[str, bool]:

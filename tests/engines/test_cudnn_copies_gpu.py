@@ -49,30 +49,58 @@ def test_swap01_of_unaligned_and_strided_views(cp):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.uint16])
-@pytest.mark.parametrize("width", [13, 64, 3])
-def test_copy_pairs_equals_numpy(cp, dtype, width):
-    from service.engines.cudnn.copies import copy_pairs
+@pytest.mark.parametrize("widths", [(13, 13), (64, 32), (3, None)])
+def test_gather_and_scatter_slots_equal_numpy(cp, dtype, widths):
+    from service.engines.cudnn.copies import gather_slots, scatter_slots
 
     rng = np.random.default_rng(1)
-    layers = 3
-    src = (rng.standard_normal((layers, 9, width)) * 100).astype(dtype)
-    big = np.zeros((layers + 2, 5, width), dtype)  # dst is a row view at an offset, as a block's state is
-    pairs = np.array([[7, 0], [2, 4], [7, 2]], np.int32)
-    src_d, big_d = cp.asarray(src), cp.asarray(big)
-    copy_pairs(cp, src_d, big_d[1:1 + layers], cp.asarray(pairs.ravel()), len(pairs))
-    want = big.copy()
-    want[1:1 + layers][:, pairs[:, 1]] = src[:, pairs[:, 0]]
-    np.testing.assert_array_equal(cp.asnumpy(big_d), want)
+    layers, slots_n, n = 3, 9, 5
+    wh, wc = widths
+
+    def rand(*shape):
+        return (rng.standard_normal(shape) * 100).astype(dtype)
+
+    pool = (rand(layers, slots_n, wh), None if wc is None else rand(layers, slots_n, wc))
+    pool_d = tuple(None if a is None else cp.asarray(a) for a in pool)
+    idx = np.array([7, -1, 2, 7, -1], np.int32)
+    index_d = cp.asarray(np.concatenate([np.full(3, -5, np.int32), idx]))  # read at offset 3
+    for keep in ((False, False), (True, False), (False, True)):
+        big = rand(layers + 2, n, wh)  # h rows are a view at an offset, as a block's slice of h0 is
+        rows = (big[1:1 + layers], None if wc is None else rand(layers, n, wc))
+        big_d = cp.asarray(big)
+        rows_d = (big_d[1:1 + layers], None if wc is None else cp.asarray(rows[1]))
+        gather_slots(cp, pool_d, rows_d, index_d, 3, n, keep)
+        for which, (p, r, d) in enumerate(zip(pool, rows, rows_d)):
+            if p is None:
+                continue
+            want = r.copy()
+            want[:, idx >= 0] = p[:, idx[idx >= 0]]
+            if not keep[which]:
+                want[:, idx < 0] = 0
+            np.testing.assert_array_equal(cp.asnumpy(d), want)
+    rows = (rand(layers, n, wh), None if wc is None else rand(layers, n, wc))
+    rows_d = tuple(None if a is None else cp.asarray(a) for a in rows)
+    targets = np.array([4, -1, 0, 8, -1], np.int32)  # distinct slots: a scatter writes each once
+    scatter_slots(cp, rows_d, pool_d, cp.asarray(targets), 0, n)
+    for p, r, d in zip(pool, rows, pool_d):
+        if p is None:
+            continue
+        want = p.copy()
+        want[:, targets[targets >= 0]] = r[:, targets >= 0]
+        np.testing.assert_array_equal(cp.asnumpy(d), want)
 
 
-def test_copy_pairs_refuses_mismatched_arrays(cp):
-    from service.engines.cudnn.copies import copy_pairs
+def test_state_slots_refuse_mismatched_arrays(cp):
+    from service.engines.cudnn.copies import gather_slots
 
-    pairs = cp.zeros(2, cp.int32)
+    index = cp.zeros(3, cp.int32)
     with pytest.raises(ValueError, match="one dtype"):
-        copy_pairs(cp, cp.zeros((2, 3, 4), cp.float32), cp.zeros((2, 3, 4), cp.float16), pairs, 1)
+        gather_slots(cp, (cp.zeros((2, 4, 4), cp.float32), None), (cp.zeros((2, 3, 4), cp.float16), None), index, 0, 3)
+    with pytest.raises(ValueError, match="rows \\[L, 3, W\\]"):
+        gather_slots(cp, (cp.zeros((2, 4, 4), cp.float32), None), (cp.zeros((2, 2, 4), cp.float32), None), index, 0, 3)
     with pytest.raises(ValueError, match="C-contiguous"):
-        copy_pairs(cp, cp.zeros((2, 3, 8), cp.float32)[:, :, ::2], cp.zeros((2, 3, 4), cp.float32), pairs, 1)
+        gather_slots(cp, (cp.zeros((2, 4, 8), cp.float32)[:, :, ::2], None), (cp.zeros((2, 3, 4), cp.float32), None),
+                     index, 0, 3)
 
 
 @pytest.mark.parametrize("blocks", list(MODELS.values()), ids=list(MODELS))

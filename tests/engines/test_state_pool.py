@@ -124,7 +124,7 @@ def check_pooled_chunks(engine, oracle, rtol: float, atol: float, seed: int = 3)
         x[-1] = rng.standard_normal((width, feat))
         rounds += 1
         states_needed = rounds % 2 == 0
-        out = engine.forward_pooled(x, lengths, h0, c0, PooledRows.of(pool, reads, writes),
+        out = engine.forward_pooled(x, lengths, h0, c0, PooledRows.of(pool, len(live) + 1, reads, writes),
                                     states_needed=states_needed)
         for row, (k, s) in enumerate(zip(live, steps)):
             outs[k].append(_host(out.output[row, :s]))

@@ -30,7 +30,7 @@ from ..state_pool import PooledRows, StatePool
 from . import library as L
 from .autotune import LONG_FACTOR, AlgoTable, BucketChoice, Group, Trial, batch_buckets, choose, plan
 from .block import AlgorithmRejected
-from .copies import copy_pairs, last_steps, swap01
+from .copies import gather_slots, last_steps, scatter_slots, swap01
 from .graphs import SETUP_LOCK, GraphRuns
 from .transfer import download_results
 from .warmup import warm_paths
@@ -348,49 +348,41 @@ class CudnnEngine(Engine):
         x, b, t, lens, out_dtype = self._check(x, lengths, h0, c0)
         # padding after a sequence cannot change it, but makes its final state invalid
         pad_ok = self.spec.causal and not states_needed and pooled is None
-        x_d, h0_d, c0_d, lens_d, pairs_d = self._inputs(x, h0, c0, lens, t, None if pooled is None else pooled.pairs)
+        index = None if pooled is None else pooled.index.ravel()
+        x_d, h0_d, c0_d, lens_d, index_d = self._inputs(x, h0, c0, lens, t, index)
         states = self._block_views(h0_d, c0_d)
         if pooled is not None:
             pooled.pool.reserve()
-            states = self._pool_read(states, b, pooled, pairs_d)
+            states = self._pool_read(states, b, pooled, index_d)
         y, hy, cy, hys, cys = self._run(x_d, b, t, lens, lengths is None, states, pad_ok,
                                         zero_padding=not last_only, ragged_lens=lens_d)
         if pooled is not None:
-            self._pool_write(hys, cys, pooled, pairs_d)
+            self._pool_write(hys, cys, b, pooled, index_d)
         if last_only:
             y = self._last(y, b, t, lens, lens_d)
         return y, hy, cy, out_dtype
 
-    def _pool_read(self, states, b, pooled: PooledRows, pairs_d):
-        """Per-block initial states with the rows ``pooled`` reads copied from their slots (one kernel per array)."""
+    def _pool_read(self, states, b, pooled: PooledRows, index_d):
+        """Per-block initial states with the rows ``pooled`` reads from their slots (one kernel per block)."""
         if not pooled.reads:
             return states
         cp, store = self._cp, self._prec.store
-        reads = pairs_d[:2 * pooled.reads]
         out = []
         for k, blk in enumerate(self.spec.blocks):
-            given = states[k] if states is not None else (None, None)
-            pair = []
-            for which, width in enumerate((blk.output_size, blk.hidden_size if blk.cell == "lstm" else None)):
-                if width is None:
-                    pair.append(None)
-                    continue
-                a = given[which]
-                if a is None:
-                    a = cp.zeros((blk.pseudo_layers, b, width), store)
-                copy_pairs(cp, pooled.pool.arrays[k][which], a, reads, pooled.reads)
-                pair.append(a)
-            out.append((pair[0], pair[1]))
+            h, c = states[k] if states is not None else (None, None)
+            keep = (h is not None, c is not None)  # given h_0/c_0 rows stay; the others start at zeros
+            if h is None:
+                h = cp.empty((blk.pseudo_layers, b, blk.output_size), store)
+            if c is None and blk.cell == "lstm":
+                c = cp.empty((blk.pseudo_layers, b, blk.hidden_size), store)
+            gather_slots(cp, pooled.pool.arrays[k], (h, c), index_d, 0, b, keep)
+            out.append((h, c))
         return out
 
-    def _pool_write(self, hys, cys, pooled: PooledRows, pairs_d) -> None:
-        """The final states of the rows ``pooled`` writes, copied into their slots."""
-        writes = pairs_d[2 * pooled.reads:]
+    def _pool_write(self, hys, cys, b, pooled: PooledRows, index_d) -> None:
+        """The final states of the rows ``pooled`` writes, into their slots (one kernel per block)."""
         for k, (hy, cy) in enumerate(zip(hys, cys)):
-            h_pool, c_pool = pooled.pool.arrays[k]
-            copy_pairs(self._cp, hy, h_pool, writes, pooled.writes)
-            if cy is not None:
-                copy_pairs(self._cp, cy, c_pool, writes, pooled.writes)
+            scatter_slots(self._cp, (hy, cy), pooled.pool.arrays[k], index_d, b, b)
 
     def forward_blocks(self, x: Any, lengths: Any = None,
                        states: Sequence[BlockState] | None = None) -> tuple[Any, list[BlockState]]:
@@ -531,17 +523,17 @@ class CudnnEngine(Engine):
             lens_dev = self._cp.asarray(lens.astype(np.int32))
         return last_steps(self._cp, y, lens_dev, forward_cols)
 
-    def _inputs(self, x, h0, c0, lens, t, pairs=None):
-        """x, h0, c0, (for a ragged batch) the int32 lengths and the int32 ``pairs`` on the device:
-        (x, h0, c0, lens or None, pairs or None).
+    def _inputs(self, x, h0, c0, lens, t, index=None):
+        """x, h0, c0, (for a ragged batch) the int32 lengths and the int32 stream ``index`` on the device:
+        (x, h0, c0, lens or None, index or None).
 
-        Host inputs go up in one staged copy, the lengths and pairs with them (CuPy's asarray of a
+        Host inputs go up in one staged copy, the lengths and index with them (CuPy's asarray of a
         small array cost more host time than the copy of x).
         """
         cp, conv = self._cp, self._conv
         if isinstance(x, cp.ndarray):
             states = [None if s is None else conv.to_store(self._seq_major(s)) for s in (h0, c0)]
-            return conv.to_store(x), states[0], states[1], None, None if pairs is None else cp.asarray(pairs)
+            return conv.to_store(x), states[0], states[1], None, None if index is None else cp.asarray(index)
         ragged = int(lens.min()) < t
         staged = [(x, conv.staging_dtype(x.dtype))]
         for s in (h0, c0):
@@ -550,16 +542,16 @@ class CudnnEngine(Engine):
                 staged.append((s.transpose(1, 0, 2), conv.staging_dtype(s.dtype)))
         if ragged:
             staged.append((lens.astype(np.int32), np.dtype(np.int32)))
-        if pairs is not None:
-            staged.append((pairs, np.dtype(np.int32)))
+        if index is not None:
+            staged.append((index, np.dtype(np.int32)))
         dev = self._staging.upload(staged, self._ctx.stream)
-        pairs_d = dev.pop() if pairs is not None else None
+        index_d = dev.pop() if index is not None else None
         lens_d = dev.pop() if ragged else None
         dev = [conv.to_store(a) for a in dev]
         x_d = dev.pop(0)
         h0_d = dev.pop(0) if h0 is not None else None
         c0_d = dev.pop(0) if c0 is not None else None
-        return x_d, h0_d, c0_d, lens_d, pairs_d
+        return x_d, h0_d, c0_d, lens_d, index_d
 
     def _uniform(self, n: int, t: int):
         hit = self._uniform_lengths.get((n, t))

@@ -42,9 +42,9 @@ def _run_warm_batches(engine: Any, t: int) -> None:
             engine.forward(x, lens, states_needed=False, last_only=True)
         pool = engine.state_pool(b)
         slots = [pool.acquire() for _ in range(b)]
-        first = PooledRows.of(pool, [], [(row, slot) for row, slot in enumerate(slots)])
+        first = PooledRows.of(pool, b, [], [(row, slot) for row, slot in enumerate(slots)])
         engine.forward_pooled(x, lens, None, None, first, states_needed=False)
-        later = PooledRows.of(pool, [(slot, row) for row, slot in enumerate(slots) if row % 2],
+        later = PooledRows.of(pool, b, [(slot, row) for row, slot in enumerate(slots) if row % 2],
                               [(row, slot) for row, slot in enumerate(slots)])
         engine.forward_pooled(x, lens, None, None, later, states_needed=False, last_only=True)
     engine._ctx.stream.synchronize()
