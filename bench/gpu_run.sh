@@ -91,7 +91,7 @@ if [ "$what" = stalls ]; then
   # loops, with timestamps and front-end pids) go to stalls_server.log; stalls_times.log: when each pass ended
   profile_repository
   python3 -m service.cli serve --repository /tmp/prepo --host 127.0.0.1 --http-port 18000 --grpc-port 18001 \
-    --device cuda --frontends ${FRONTENDS:-6} --log-level warning > "$OUT/stalls_server.log" 2>&1 &
+    --device cuda --frontends ${FRONTENDS:-6} --log-level ${LOG_LEVEL:-info} > "$OUT/stalls_server.log" 2>&1 &
   spid=$!
   wait_ready
   date +%T.%N > "$OUT/stalls_times.log"
@@ -101,6 +101,6 @@ if [ "$what" = stalls ]; then
     date +%T.%N >> "$OUT/stalls_times.log"
   done
   kill -TERM $spid; wait $spid
-  echo "slow collections: $(grep -c 'paused this process' "$OUT/stalls_server.log"), blocked loops: $(grep -c 'blocked for' "$OUT/stalls_server.log")"
+  echo "slow collections: $(grep -c 'paused this process' "$OUT/stalls_server.log"), blocked loops: $(grep -c 'blocked for' "$OUT/stalls_server.log"), CUDA graph captures: $(grep -c 'captured a CUDA graph' "$OUT/stalls_server.log")"
 fi
 exit $rc

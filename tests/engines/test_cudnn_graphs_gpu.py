@@ -124,5 +124,6 @@ def test_budget_evicts_and_zero_turns_graphs_off():
         assert info["bytes"] <= info["budget_bytes"] == budget_mb << 20
         if whole["bytes"] > info["budget_bytes"]:
             assert info["graphs"] < info["captures"]  # the least recently used ones were dropped
+            assert info["evictions"] == info["captures"] - info["graphs"]
     finally:
         small.close()

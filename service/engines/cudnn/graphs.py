@@ -96,6 +96,8 @@ class GraphRuns:
         self.bytes = 0
         self.captures = 0
         self.replays = 0
+        self.evictions = 0
+        self.capture_seconds = 0.0  # host time of captures: the calls that captured waited this long
 
     def run(self, x: Any, n: int, t: int, lens_key: tuple, lens_host: Any, lens_dev: Any, states: Any,
             algos: tuple[int, ...], seq_major: bool, hys: list, cys: list) -> Any | None:
@@ -168,7 +170,8 @@ class GraphRuns:
 
     def describe(self) -> dict:
         return {"graphs": len(self._graphs), "bytes": self.bytes, "budget_bytes": self.budget,
-                "captures": self.captures, "replays": self.replays, "failed_shapes": len(self._failed)}
+                "captures": self.captures, "replays": self.replays, "evictions": self.evictions,
+                "capture_ms": round(1e3 * self.capture_seconds, 1), "failed_shapes": len(self._failed)}
 
     def _copy(self, dst: Any, src: Any, stream: Any) -> None:
         if dst.nbytes != src.nbytes or not (dst.flags.c_contiguous and src.flags.c_contiguous):
@@ -179,6 +182,7 @@ class GraphRuns:
 
     def _capture(self, key, n, t, lens_key, lens_host, lens_dev, mask, algos, seq_major, x) -> _Captured | None:
         cp, store, stream = self.cp, self.store, self.ctx.stream
+        started = time.perf_counter()
         try:
             x_s = cp.zeros(x.shape, store)
             states, hys, cys, ys, keep = [], [], [], [], [lens_dev]
@@ -226,9 +230,14 @@ class GraphRuns:
         self._graphs[key] = got
         self.bytes += nbytes
         self.captures += 1
+        took = time.perf_counter() - started
+        self.capture_seconds += took
+        log.info("captured a CUDA graph for n=%d t=%d in %.1f ms (%d graphs, %.1f of %.0f MB, %d evicted so far)",
+                 n, t, 1e3 * took, len(self._graphs), self.bytes / 2**20, self.budget / 2**20, self.evictions)
         return got
 
     def _evict(self, room: int) -> None:
         while self._graphs and self.bytes > room:
             _, old = self._graphs.popitem(last=False)
             self.bytes -= old.nbytes
+            self.evictions += 1
