@@ -6,7 +6,12 @@ T=100 in fp32: the GPU work took ~3 ms, the call ~5 ms of host launches, and PyT
 pays the same). A captured graph replays every launch of the call from one host call.
 
 A graph keeps the device pointers it was captured with, so each graph owns its buffers:
-the input, the initial states, every block's output, the final states and a workspace.
+the input, the initial states, every block's output and the final states. The cuDNN
+workspace is one buffer that every graph shares: replays run one after another on the
+engine's stream, and the workspace holds nothing from one call to the next. (Each graph
+had its own: ~20 MB apiece for the 2-layer H=256 stream model at t=10, so the 512 MB
+budget held ~24 batch sizes, and 256 paced streams, whose batches take many sizes, kept
+evicting and capturing again, 2-9 ms each on the engine process's thread; H100 host.)
 A replay copies the caller's input and states in (device-to-device copies queued on the
 engine's stream), launches the graph and copies the final states out; the output is
 the graph's own buffer, valid until the next replay of the same graph on the stream,
@@ -93,7 +98,8 @@ class GraphRuns:
         self._failed: set[tuple] = set()
         self._tokens = float(CAPTURE_BURST)
         self._refilled = time.monotonic()
-        self.bytes = 0
+        self.bytes = 0  # the graphs' own buffers and the shared workspace
+        self._workspace: Any = None
         self.captures = 0
         self.replays = 0
         self.evictions = 0
@@ -166,6 +172,7 @@ class GraphRuns:
     def close(self) -> None:
         self._graphs.clear()
         self._uses.clear()
+        self._workspace = None
         self.bytes = 0
 
     def describe(self) -> dict:
@@ -197,14 +204,15 @@ class GraphRuns:
                 ys.append(cp.empty((t, n, runner.out_features) if seq_major else (n, t, runner.out_features), store))
             inp0 = cp.empty((t, n, x.shape[2]), store) if seq_major else x_s
             work = max(r.work_size(a, n, t, lens_key, lens_host, seq_major) for r, a in zip(self.runners, algos))
-            ws = cp.empty(max(work, 1), cp.uint8)
-            keep += [inp0, ws, *ys]
+            keep += [inp0, *ys]
             nbytes = sum(a.nbytes for a in keep[1:] + [x_s] + hys + [c for c in cys if c is not None]
                          + [a for pair in states for a in pair if a is not None])
-            if nbytes > self.budget:
+            ws = self._shared_workspace(max(work, 1))
+            if nbytes + ws.nbytes > self.budget:
                 self._failed.add(key)
                 return None
             self._evict(self.budget - nbytes)
+            keep.append(ws)
 
             def enqueue() -> None:
                 if seq_major:
@@ -235,6 +243,21 @@ class GraphRuns:
         log.info("captured a CUDA graph for n=%d t=%d in %.1f ms (%d graphs, %.1f of %.0f MB, %d evicted so far)",
                  n, t, 1e3 * took, len(self._graphs), self.bytes / 2**20, self.budget / 2**20, self.evictions)
         return got
+
+    def _shared_workspace(self, size: int) -> Any:
+        """The workspace of every graph, grown (doubling) to ``size`` bytes at least.
+
+        Growing drops the graphs captured with the old buffer (they are captured again when
+        next used), so the budget counts one workspace.
+        """
+        if self._workspace is None or self._workspace.nbytes < size:
+            old = 0 if self._workspace is None else self._workspace.nbytes
+            self.evictions += len(self._graphs)
+            self._graphs.clear()
+            self._workspace = None
+            self._workspace = self.cp.empty(max(size, 2 * old), self.cp.uint8)
+            self.bytes = self._workspace.nbytes
+        return self._workspace
 
     def _evict(self, room: int) -> None:
         while self._graphs and self.bytes > room:
