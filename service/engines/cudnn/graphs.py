@@ -207,10 +207,13 @@ class GraphRuns:
             keep += [inp0, *ys]
             nbytes = sum(a.nbytes for a in keep[1:] + [x_s] + hys + [c for c in cys if c is not None]
                          + [a for pair in states for a in pair if a is not None])
-            ws = self._shared_workspace(max(work, 1))
-            if nbytes + ws.nbytes > self.budget:
+            have = 0 if self._workspace is None else self._workspace.nbytes
+            need = max(work, 1)
+            ws_bytes = have if have >= need else max(need, min(2 * have, self.budget - nbytes))
+            if nbytes + ws_bytes > self.budget:
                 self._failed.add(key)
                 return None
+            ws = self._shared_workspace(ws_bytes)
             self._evict(self.budget - nbytes)
             keep.append(ws)
 
@@ -245,17 +248,16 @@ class GraphRuns:
         return got
 
     def _shared_workspace(self, size: int) -> Any:
-        """The workspace of every graph, grown (doubling) to ``size`` bytes at least.
+        """The workspace of every graph, ``size`` bytes when it has to grow (the caller doubles it).
 
         Growing drops the graphs captured with the old buffer (they are captured again when
         next used), so the budget counts one workspace.
         """
         if self._workspace is None or self._workspace.nbytes < size:
-            old = 0 if self._workspace is None else self._workspace.nbytes
             self.evictions += len(self._graphs)
             self._graphs.clear()
             self._workspace = None
-            self._workspace = self.cp.empty(max(size, 2 * old), self.cp.uint8)
+            self._workspace = self.cp.empty(size, self.cp.uint8)
             self.bytes = self._workspace.nbytes
         return self._workspace
 
