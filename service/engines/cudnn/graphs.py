@@ -178,7 +178,8 @@ class GraphRuns:
     def describe(self) -> dict:
         return {"graphs": len(self._graphs), "bytes": self.bytes, "budget_bytes": self.budget,
                 "captures": self.captures, "replays": self.replays, "evictions": self.evictions,
-                "capture_ms": round(1e3 * self.capture_seconds, 1), "failed_shapes": len(self._failed)}
+                "capture_ms": round(1e3 * self.capture_seconds, 1), "failed_shapes": len(self._failed),
+                "workspace_bytes": 0 if self._workspace is None else self._workspace.nbytes}
 
     def _copy(self, dst: Any, src: Any, stream: Any) -> None:
         if dst.nbytes != src.nbytes or not (dst.flags.c_contiguous and src.flags.c_contiguous):
