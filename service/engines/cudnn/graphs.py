@@ -210,7 +210,8 @@ class GraphRuns:
                          + [a for pair in states for a in pair if a is not None])
             have = 0 if self._workspace is None else self._workspace.nbytes
             need = max(work, 1)
-            ws_bytes = have if have >= need else max(need, min(2 * have, self.budget - nbytes))
+            # grow by doubling (few growths, each dropping the graphs), but not past a quarter of the budget
+            ws_bytes = have if have >= need else max(need, min(2 * have, self.budget // 4))
             if nbytes + ws_bytes > self.budget:
                 self._failed.add(key)
                 return None
