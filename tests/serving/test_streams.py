@@ -23,6 +23,16 @@ def _chunk(x, seq_id, start=False, end=False, outputs=None):
     return body
 
 
+def _request(x, seq_id, a, b, **params):
+    """A dataplane request carrying steps a..b of ``x`` as a chunk of stream ``seq_id``."""
+    return InferRequest("lstm", inputs=[InferTensor("input", "FP32", [1, b - a, x.shape[2]], x[:, a:b])],
+                        parameters={"sequence_id": seq_id, **params})
+
+
+def _answer_output(answers):
+    return np.concatenate([next(t.data for t in a.outputs if t.name == "output") for a in answers], axis=1)
+
+
 def _outputs(resp):
     assert resp.status_code == 200, resp.text
     return {o["name"]: np.asarray(o["data"], np.float32).reshape(o["shape"]) for o in resp.json()["outputs"]}
@@ -70,13 +80,10 @@ async def test_chunks_of_one_stream_run_in_order(repo):
     x = np.random.default_rng(2).standard_normal((1, 8, 4)).astype(np.float32)
     engine = create_engine(load_model(repo / "lstm"), "cpu")
     async with rest_client(repo) as (_, dataplane):
-        def req(a, b, **p):
-            return InferRequest("lstm", inputs=[InferTensor("input", "FP32", [1, b - a, 4], x[:, a:b])],
-                                parameters={"sequence_id": 99, **p})
-        answers = await asyncio.gather(dataplane.infer(req(0, 2, sequence_start=True)), dataplane.infer(req(2, 5)),
-                                       dataplane.infer(req(5, 8, sequence_end=True)))
-    out = np.concatenate([next(t.data for t in a.outputs if t.name == "output") for a in answers], axis=1)
-    np.testing.assert_allclose(out, engine.forward(x).output, atol=1e-5)
+        answers = await asyncio.gather(dataplane.infer(_request(x, 99, 0, 2, sequence_start=True)),
+                                       dataplane.infer(_request(x, 99, 2, 5)),
+                                       dataplane.infer(_request(x, 99, 5, 8, sequence_end=True)))
+    np.testing.assert_allclose(_answer_output(answers), engine.forward(x).output, atol=1e-5)
 
 
 async def test_stream_limits(repo):
@@ -103,8 +110,7 @@ async def test_a_cancelled_chunk_ends_its_stream_and_every_slot_comes_back(repo)
         for k in (1, 2, 3):
             assert (await client.post("/v2/models/lstm/infer", json=_chunk(x, k, True))).status_code == 200
         assert pool.in_use == 3
-        req = InferRequest("lstm", inputs=[InferTensor("input", "FP32", [1, 2, 4], x)], parameters={"sequence_id": 1})
-        task = asyncio.create_task(dataplane.infer(req))
+        task = asyncio.create_task(dataplane.infer(_request(x, 1, 0, 2)))
         await asyncio.sleep(0.02)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -126,18 +132,14 @@ async def test_a_chunk_cancelled_while_waiting_its_turn_changes_nothing(repo):
     x = np.random.default_rng(5).standard_normal((1, 6, 4)).astype(np.float32)
     engine = create_engine(load_model(repo / "lstm"), "cpu")
     async with rest_client(repo) as (_, dataplane):
-        def req(a, b, **p):
-            return InferRequest("lstm", inputs=[InferTensor("input", "FP32", [1, b - a, 4], x[:, a:b])],
-                                parameters={"sequence_id": 31, **p})
-        first = asyncio.create_task(dataplane.infer(req(0, 2, sequence_start=True)))
+        first = asyncio.create_task(dataplane.infer(_request(x, 31, 0, 2, sequence_start=True)))
         await asyncio.sleep(0.005)
-        skipped = asyncio.create_task(dataplane.infer(req(0, 3)))  # would move the state if it ran
+        skipped = asyncio.create_task(dataplane.infer(_request(x, 31, 0, 3)))  # would move the state if it ran
         await asyncio.sleep(0.005)
         skipped.cancel()
-        last = asyncio.create_task(dataplane.infer(req(2, 6, sequence_end=True)))
+        last = asyncio.create_task(dataplane.infer(_request(x, 31, 2, 6, sequence_end=True)))
         answers = [await first, await last]
         with pytest.raises(asyncio.CancelledError):
             await skipped
         assert dataplane.registry.serving("lstm").streams.pool.in_use == 0
-    out = np.concatenate([next(t.data for t in a.outputs if t.name == "output") for a in answers], axis=1)
-    np.testing.assert_allclose(out, engine.forward(x).output, atol=1e-5)
+    np.testing.assert_allclose(_answer_output(answers), engine.forward(x).output, atol=1e-5)
