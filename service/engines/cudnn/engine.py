@@ -439,6 +439,8 @@ class CudnnEngine(Engine):
         """Per-block (h, c) row views of whole [R, n, Ho] / [Rc, n, H] device states, or None when neither."""
         if h0 is None and c0 is None:
             return None
+        if len(self.spec.blocks) == 1:  # the block's rows are the whole arrays: no CuPy views to make
+            return [(h0, c0 if self.spec.blocks[0].cell == "lstm" else None)]
         views = []
         row = crow = 0
         for blk in self.spec.blocks:
@@ -457,6 +459,8 @@ class CudnnEngine(Engine):
         spec = self.spec
         hy = cp.empty((spec.state_layers, n, spec.state_size), store) if self._uniform_h else None
         cy = cp.empty((spec.cell_state_layers, n, spec.cell_state_size), store) if self._uniform_c else None
+        if len(spec.blocks) == 1:  # one block: its state buffers are the whole ones
+            return hy, cy, [hy], [cy]
         hys, cys = [], []
         row = crow = 0
         for blk in spec.blocks:
