@@ -3,8 +3,8 @@
 A stream is one sequence sent in chunks. Its first chunk carries ``sequence_start``
 (state starts at zeros, or at the h_0/c_0 that chunk carries), each later chunk
 continues from the state the previous one left, and the chunk with ``sequence_end``
-frees it. Chunks of one stream run one at a time, in arrival order (a FIFO of waiting
-chunks per stream, see :meth:`service.dataplane.DataPlane._stream_chunk`); chunks of different streams batch together like any other requests, since
+frees it. Chunks of one stream run one at a time, in arrival order (a FIFO lock per
+stream); chunks of different streams batch together like any other requests, since
 a chunk is just a sequence with an initial state.
 
 A stream's state (h and c of every layer and direction of every block) lives in a slot
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ..engines.state_pool import StatePool
@@ -42,12 +42,12 @@ _REMEMBERED = 4096  # ended stream ids kept to explain a late chunk
 
 @dataclass(eq=False)
 class StreamState:
-    """One live stream: its state pool slot and the chunks waiting for their turn, in arrival order."""
+    """One live stream: its state pool slot and the lock ordering its chunks."""
 
     key: str
     slot: int = -1  # -1: released (the stream ended)
     last_used: float = field(default_factory=time.monotonic)
-    waiting: deque = field(default_factory=deque)  # chunks behind the running one (the dataplane's entries)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     ended: str = ""  # why the stream ended, "" while live
     running: bool = False  # a chunk is in the scheduler: its batch may still write the slot
 
@@ -161,7 +161,7 @@ class StreamStore:
         if not force and now - self._last_sweep < min(1.0, self.idle_timeout_s / 4):
             return
         self._last_sweep = now
-        idle = [s for s in self._streams.values() if now - s.last_used > self.idle_timeout_s and not s.running and not s.waiting]
+        idle = [s for s in self._streams.values() if now - s.last_used > self.idle_timeout_s and not s.lock.locked()]
         for state in idle:
             self.close(state, f"expired after {self.idle_timeout_s:g}s without a chunk (stream_idle_timeout_s)",
                        "expired")
