@@ -30,7 +30,8 @@ from ..state_pool import PooledRows, StatePool
 from . import library as L
 from .autotune import LONG_FACTOR, AlgoTable, BucketChoice, Group, Trial, batch_buckets, choose, plan
 from .block import AlgorithmRejected
-from .copies import gather_slots, last_steps, scatter_slots, swap01
+from .block_states import block_views, new_states, read_slots, write_slots
+from .copies import last_steps, swap01
 from .graphs import SETUP_LOCK, GraphRuns
 from .transfer import download_results
 from .warmup import warm_paths
@@ -350,39 +351,17 @@ class CudnnEngine(Engine):
         pad_ok = self.spec.causal and not states_needed and pooled is None
         index = None if pooled is None else pooled.index.ravel()
         x_d, h0_d, c0_d, lens_d, index_d = self._inputs(x, h0, c0, lens, t, index)
-        states = self._block_views(h0_d, c0_d)
+        states = block_views(self.spec, h0_d, c0_d)
         if pooled is not None:
             pooled.pool.reserve()
-            states = self._pool_read(states, b, pooled, index_d)
+            states = read_slots(self._cp, self.spec, self._prec.store, states, b, pooled, index_d)
         y, hy, cy, hys, cys = self._run(x_d, b, t, lens, lengths is None, states, pad_ok,
                                         zero_padding=not last_only, ragged_lens=lens_d)
         if pooled is not None:
-            self._pool_write(hys, cys, b, pooled, index_d)
+            write_slots(self._cp, hys, cys, b, pooled, index_d)
         if last_only:
             y = self._last(y, b, t, lens, lens_d)
         return y, hy, cy, out_dtype
-
-    def _pool_read(self, states, b, pooled: PooledRows, index_d):
-        """Per-block initial states with the rows ``pooled`` reads from their slots (one kernel per block)."""
-        if not pooled.reads:
-            return states
-        cp, store = self._cp, self._prec.store
-        out = []
-        for k, blk in enumerate(self.spec.blocks):
-            h, c = states[k] if states is not None else (None, None)
-            keep = (h is not None, c is not None)  # given h_0/c_0 rows stay; the others start at zeros
-            if h is None:
-                h = cp.empty((blk.pseudo_layers, b, blk.output_size), store)
-            if c is None and blk.cell == "lstm":
-                c = cp.empty((blk.pseudo_layers, b, blk.hidden_size), store)
-            gather_slots(cp, pooled.pool.arrays[k], (h, c), index_d, 0, b, keep)
-            out.append((h, c))
-        return out
-
-    def _pool_write(self, hys, cys, b, pooled: PooledRows, index_d) -> None:
-        """The final states of the rows ``pooled`` writes, into their slots (one kernel per block)."""
-        for k, (hy, cy) in enumerate(zip(hys, cys)):
-            scatter_slots(self._cp, (hy, cy), pooled.pool.arrays[k], index_d, b, b)
 
     def forward_blocks(self, x: Any, lengths: Any = None,
                        states: Sequence[BlockState] | None = None) -> tuple[Any, list[BlockState]]:
@@ -435,44 +414,9 @@ class CudnnEngine(Engine):
         view = a.transpose(1, 0, 2)
         return view if view.flags.c_contiguous else swap01(cp, a)
 
-    def _block_views(self, h0, c0):
-        """Per-block (h, c) row views of whole [R, n, Ho] / [Rc, n, H] device states, or None when neither."""
-        if h0 is None and c0 is None:
-            return None
-        if len(self.spec.blocks) == 1:  # the block's rows are the whole arrays: no CuPy views to make
-            return [(h0, c0 if self.spec.blocks[0].cell == "lstm" else None)]
-        views = []
-        row = crow = 0
-        for blk in self.spec.blocks:
-            rows = blk.pseudo_layers
-            c = None
-            if blk.cell == "lstm":
-                c = None if c0 is None else c0[crow:crow + rows]
-                crow += rows
-            views.append((None if h0 is None else h0[row:row + rows], c))
-            row += rows
-        return views
-
     def _new_states(self, n):
-        """Output states for ``n`` sequences: (hy, cy) whole buffers (None when widths differ) and per-block views."""
-        cp, store = self._cp, self._prec.store
-        spec = self.spec
-        hy = cp.empty((spec.state_layers, n, spec.state_size), store) if self._uniform_h else None
-        cy = cp.empty((spec.cell_state_layers, n, spec.cell_state_size), store) if self._uniform_c else None
-        if len(spec.blocks) == 1:  # one block: its state buffers are the whole ones
-            return hy, cy, [hy], [cy]
-        hys, cys = [], []
-        row = crow = 0
-        for blk in spec.blocks:
-            rows = blk.pseudo_layers
-            hys.append(hy[row:row + rows] if hy is not None else cp.empty((rows, n, blk.output_size), store))
-            row += rows
-            if blk.cell == "lstm":
-                cys.append(cy[crow:crow + rows] if cy is not None else cp.empty((rows, n, blk.hidden_size), store))
-                crow += rows
-            else:
-                cys.append(None)
-        return hy, cy, hys, cys
+        """Output states for ``n`` sequences (see :func:`.block_states.new_states`)."""
+        return new_states(self._cp, self.spec, self._prec.store, n, self._uniform_h, self._uniform_c)
 
     def _run(self, x_d, b, t, lens, uniform_lengths, states, pad_ok=False, zero_padding=True, ragged_lens=None):
         """Plan and run one call; returns (y, hy, cy, hys, cys): whole states (or None) and per-block views.
