@@ -159,11 +159,14 @@ def install_stop_handlers(stop: asyncio.Event) -> None:
     """SIGTERM and SIGINT set ``stop``."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
+        # Not possible on Windows' loops (NotImplementedError) or off the main thread (RuntimeError, e.g.
+        # a server started inside a test thread): that server is stopped through its stop event instead.
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
 
 
 def remove_stop_handlers() -> None:
+    """Undo :func:`install_stop_handlers` (where it could install them: the same two cases)."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):

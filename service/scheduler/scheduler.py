@@ -264,7 +264,7 @@ class Scheduler:
 
     async def _batching_window(self) -> None:
         while self._waiting and not self._closing:
-            if self._queued >= self.max_batch_size:
+            if self._full():
                 return
             remaining = self._waiting[0].enqueued + self.max_queue_delay - time.monotonic()
             if remaining <= 0:
