@@ -52,6 +52,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from procstat import CpuSampler
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -155,13 +156,22 @@ async def run_cell(send, payloads: list, concurrency: int, duration: float, warm
 
 
 async def run_cell_raw(send, payloads: list, concurrency: int, duration: float,
-                       warmup: float) -> tuple[list[float], int]:
-    """``concurrency`` closed-loop workers call ``send(payload)`` for ``duration`` seconds after ``warmup``."""
+                       warmup: float, meter: dict | None = None) -> tuple[list[float], int]:
+    """``concurrency`` closed-loop workers call ``send(payload)`` for ``duration`` seconds after ``warmup``.
+
+    ``meter``: gets this process's CPU seconds over the measured window (``cpu_s``) and the window's
+    wall-clock start and end (``time.time()``, for :class:`procstat.CpuSampler`)."""
     latencies: list[float] = []
     errors = 0
     start = time.perf_counter()
     measure_from = start + warmup
     stop_at = measure_from + duration
+
+    async def metered() -> None:
+        await asyncio.sleep(max(0.0, measure_from - time.perf_counter()))
+        cpu0, wall0 = time.process_time(), time.time()
+        await asyncio.sleep(max(0.0, stop_at - time.perf_counter()))
+        meter.update(cpu_s=time.process_time() - cpu0, start=wall0, end=time.time())
 
     async def worker(k: int) -> None:
         nonlocal errors
@@ -183,7 +193,7 @@ async def run_cell_raw(send, payloads: list, concurrency: int, duration: float,
                     errors += 1
             i += concurrency
 
-    await asyncio.gather(*(worker(k) for k in range(concurrency)))
+    await asyncio.gather(*(worker(k) for k in range(concurrency)), *([metered()] if meter is not None else []))
     return latencies, errors
 
 
@@ -335,13 +345,13 @@ def _summary(latencies: list[float], errors: int, duration: float) -> dict:
     }
 
 
-async def _client_cell(cell: dict) -> tuple[list[float], int]:
-    """One load-generating process's share of a cell: (latencies in s, errors)."""
+async def _client_cell(cell: dict, meter: dict | None = None) -> tuple[list[float], int]:
+    """One load-generating process's share of a cell: (latencies in s, errors); ``meter`` as in run_cell_raw."""
     seqs = make_sequences(cell["pool"], cell["features"], cell["min_len"], cell["max_len"], seed=cell["seed"])
     protocol = cell["protocol"]
     payloads = {"http-json": lambda: [json_body(x) for x in seqs],
                 "http-binary": lambda: [binary_body(x) for x in seqs], "grpc": lambda: seqs}[protocol]()
-    run = (cell["concurrency"], cell["duration"], cell["warmup"])
+    run = (cell["concurrency"], cell["duration"], cell["warmup"], meter)
     if cell["client"] == "lean":
         if protocol == "grpc":
             import grpc
@@ -400,7 +410,7 @@ def run_loop(main):
     return run(main)
 
 
-def _client_process(cell: dict) -> tuple[list[float], int]:
+def _client_process(cell: dict) -> tuple[list[float], int, dict]:
     import gc
 
     sys.setswitchinterval(CLIENT_SWITCH_INTERVAL_S)
@@ -408,8 +418,9 @@ def _client_process(cell: dict) -> tuple[list[float], int]:
     if cell.pop("gc_off", False):  # see --client-gc
         gc.collect()
         gc.disable()
+    meter: dict = {}
     try:
-        return run_loop(_client_cell(cell))
+        return (*run_loop(_client_cell(cell, meter)), meter)
     finally:
         gc.enable()
 
@@ -427,8 +438,13 @@ def run_distributed(cell: dict, clients: int) -> dict:
     else:
         with mp.get_context("spawn").Pool(clients) as pool:
             results = pool.map(_client_process, cells)
-    latencies = [lat for lats, _ in results for lat in lats]
-    return _summary(latencies, sum(e for _, e in results), cell["duration"])
+    latencies = [lat for lats, _, _ in results for lat in lats]
+    meters = [m for _, _, m in results if m]
+    summary = _summary(latencies, sum(e for _, e, _ in results), cell["duration"])
+    if meters:
+        summary["client_cores"] = sum(m["cpu_s"] for m in meters) / cell["duration"]
+        summary["window"] = (max(m["start"] for m in meters), min(m["end"] for m in meters))
+    return summary
 
 
 _SERVER_SERIES = ("rnnserve_batch_size_count", "rnnserve_batch_size_sum", "rnnserve_compute_duration_seconds_sum",
@@ -489,13 +505,19 @@ async def bench(args: argparse.Namespace, http_url: str, grpc_url: str | None, m
                         "grpc_url": grpc_url, "pool": args.pool, "features": args.features, "min_len": args.min_len,
                         "max_len": args.max_len, "seed": 1, "duration": args.duration, "warmup": args.warmup,
                         "client": args.client, "gc_off": args.client_gc == "off"}
-                before = server_batches(http_url, model)
-                res = await asyncio.to_thread(run_distributed, cell, args.clients)
-                batches, seqs, compute = (b - a for a, b in zip(before, server_batches(http_url, model)))
+                before = server_counters(http_url, model)
+                with CpuSampler(args.server_pid or 0) as sampler:
+                    res = await asyncio.to_thread(run_distributed, cell, args.clients)
+                after = server_counters(http_url, model)
+                side = server_side(before, after)
+                batches = after["rnnserve_batch_size_count"] - before["rnnserve_batch_size_count"]
+                compute = after["rnnserve_compute_duration_seconds_sum"] - before["rnnserve_compute_duration_seconds_sum"]
                 res["server_batches"] = batches
-                res["avg_batch"] = seqs / batches if batches else None
-                res["compute_ms_per_batch"] = 1e3 * compute / batches if batches else None
+                res.update(side)
+                res["compute_ms_per_batch"] = side["batch_ms"]
                 res["engine_busy"] = compute / (args.duration + args.warmup)
+                cores = sampler.cores(*res["window"]) if "window" in res else None
+                res["engine_cores"], res["engine_main_cores"], res["frontend_cores"] = cores or (None, None, None)
                 row = {"protocol": protocol, "model": model, "batching": "off" if model.endswith("_nobatch") else "on",
                        "concurrency": conc, "clients": min(args.clients, conc), **res,
                        "engine_ms": args.engine_ms if conc == 1 else None}
@@ -754,6 +776,11 @@ async def _ready(http_url: str) -> None:
         await wait_ready(session, http_url)
 
 
+def _cores(r: dict) -> str:
+    parts = [r.get("engine_main_cores"), r.get("engine_cores"), r.get("frontend_cores"), r.get("client_cores")]
+    return "/".join("-" if v is None else f"{v:.1f}" for v in parts)
+
+
 def _format_row(r: dict) -> str:
     p50 = f"{r['p50_ms']:.1f}" if r["p50_ms"] is not None else "-"
     p99 = f"{r['p99_ms']:.1f}" if r["p99_ms"] is not None else "-"
@@ -761,12 +788,23 @@ def _format_row(r: dict) -> str:
     batch = f"{r['avg_batch']:.1f}" if r.get("avg_batch") else "-"
     busy = f"{100 * r['engine_busy']:.0f}%" if r.get("engine_busy") is not None else "-"
     return (f"| {r['protocol']:<11} | {r['batching']:<8} | {r['concurrency']:>4} | {r['throughput_rps']:>9.1f} | "
-            f"{p50:>8} | {p99:>8} | {extra:>13} | {batch:>9} | {busy:>11} | {r['errors']:>6} |")
+            f"{p50:>8} | {p99:>8} | {extra:>13} | {batch:>9} | {busy:>11} | {_ms(r.get('server_ms')):>7} | "
+            f"{_ms(r.get('queue_ms')):>8} | {_ms(r.get('batch_ms')):>8} | {_cores(r):>19} | {r['errors']:>6} |")
 
 
-# avg batch: sequences per engine call; engine busy: share of the cell's time the engine computed (server's metrics)
-TABLE_HEAD = ("| protocol    | batching | conc |     req/s |  p50 ms  |  p99 ms  | p50 - engine | avg batch | engine busy | errors |\n"
-              "|-------------|----------|-----:|----------:|---------:|---------:|-------------:|----------:|------------:|-------:|")
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+# avg batch: sequences per engine call; engine busy: share of the cell's time the engine computed; srv ms: mean
+# time of a request in the engine process (arrival to answer); queue ms: its wait for a batch; batch ms: mean time
+# of a batch from launch to results (the server's metrics); cores main/eng/fe/cli: CPU cores used by the engine
+# process's main thread (its event loop, batching and launches), the whole engine process, all front-end processes
+# and all load-generating processes over the measured window (Linux /proc)
+TABLE_HEAD = ("| protocol    | batching | conc |     req/s |  p50 ms  |  p99 ms  | p50 - engine | avg batch | engine busy "
+              "| srv ms  | queue ms | batch ms | cores main/eng/fe/cli | errors |\n"
+              "|-------------|----------|-----:|----------:|---------:|---------:|-------------:|----------:|------------:"
+              "|--------:|---------:|---------:|----------------------:|-------:|")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -774,6 +812,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", help="HTTP host:port of a running server (default: start one)")
     p.add_argument("--grpc-url", help="gRPC host:port of that server")
     p.add_argument("--model", default="bench", help="model to drive with --url (default bench)")
+    p.add_argument("--server-pid", type=int, default=0,
+                   help="with --url: the server's (engine) process id, for the table's CPU columns")
     p.add_argument("--no-compare", action="store_true", help="with --url: skip the <model>_nobatch comparison")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help="device of the started server")
     p.add_argument("--features", type=int, default=40, help="input features I (default 40)")
@@ -837,6 +877,7 @@ def main(argv: list[str] | None = None) -> int:
         write_repository(repo, args.features, args.hidden, args.layers, extra)
         write_stream_model(repo, args.features, args.stream_hidden, args.stream_layers, extra)
         proc, http_url, grpc_url = start_server(repo, args.device, ["--frontends", str(args.frontends)])
+        args.server_pid = proc.pid
         models = ["bench", "bench_nobatch"]
     rows: list[dict] = []
     stream_rows: list[dict] = []

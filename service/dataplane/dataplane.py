@@ -14,7 +14,7 @@ from typing import Any
 
 from .. import __version__
 from ..errors import RNNServeError, StaleModelView, Unavailable
-from ..metrics import ServerMetrics
+from ..metrics import ServerMetrics, observe_many
 from ..registry import ModelRegistry, ModelState, ServedVersion
 from ..scheduler import SequenceWork
 from .signature import ModelSignature
@@ -157,9 +157,7 @@ class DataPlane:
         exc = fut.exception()
         if exc is None:
             self._count(model, version, "success", requests)
-            duration, seconds = self._bound("duration", model, version), time.perf_counter() - start
-            for _ in range(requests):
-                duration.observe(seconds)
+            observe_many(self._bound("duration", model, version), time.perf_counter() - start, requests)
         elif isinstance(exc, RNNServeError):
             self._count(model, version, exc.status.lower(), requests)
         else:

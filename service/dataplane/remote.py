@@ -73,18 +73,29 @@ class FrameConnection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        # Frames are read through memoryviews: a request's arrays are most of its bytes, and a
+        # bytearray slice per frame (plus appending every read to the buffer) copied them twice
+        # more on the engine process's one busy thread. Only an incomplete tail is kept.
         buf = self._buf
-        buf += data
-        pos, end = 0, len(buf)
-        while end - pos >= _LENGTH.size:
-            (size,) = _LENGTH.unpack_from(buf, pos)
-            stop = pos + _LENGTH.size + size
-            if stop > end:
-                break
-            obj = pickle.loads(buf[pos + _LENGTH.size:stop])
-            pos = stop
-            self._on_frame(obj)
-        del buf[:pos]
+        if buf:
+            buf += data
+            data = buf
+        pos, end = 0, len(data)
+        with memoryview(data) as view:
+            while end - pos >= _LENGTH.size:
+                (size,) = _LENGTH.unpack_from(view, pos)
+                stop = pos + _LENGTH.size + size
+                if stop > end:
+                    break
+                with view[pos + _LENGTH.size:stop] as frame:
+                    obj = pickle.loads(frame)  # in-band buffers are copied out: nothing keeps the frame
+                pos = stop
+                self._on_frame(obj)
+            tail = view[pos:].tobytes() if pos < end and data is not buf else None
+        if data is buf:
+            del buf[:pos]
+        elif tail:
+            buf += tail
 
     def send(self, obj: Any) -> None:
         """Queue ``obj``; everything queued in this loop iteration goes out in one write."""

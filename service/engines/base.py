@@ -206,6 +206,16 @@ class Engine(ABC):
         h_n, c_n = stack_block_states(spec, finals) if states_needed else (None, None)
         return EngineOutput(output, h_n, c_n)
 
+    def input_buffer(self, shape: tuple[int, int, int]) -> np.ndarray | None:
+        """An uninitialized float32 host array for the ``x`` of a coming call, or None.
+
+        An engine that copies its inputs to a device lends memory it copies from without a
+        host copy first (the GPU engine: pinned memory), so the scheduler merges a batch
+        straight into it. The array may be given to this engine's calls only; it stays
+        the caller's while any view of it lives. This default has none.
+        """
+        return None
+
     def describe(self) -> dict[str, Any]:
         """Facts for `rnnserve inspect` and model metadata."""
         return {"engine": self.name}

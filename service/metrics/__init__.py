@@ -20,6 +20,29 @@ _LOAD_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 MV = ("model", "version")
 
 
+def observe_many(histogram: Histogram, value: float, count: int) -> None:
+    """``histogram.observe(value)`` ``count`` times, in one bucket update.
+
+    A message a front-end process merged answers ``count`` requests at once, each with the
+    same duration; the engine process's one thread observed them one by one (5 % of it under
+    binary-HTTP load on an H100 host). Falls back to the loop if prometheus_client's
+    histogram internals ever change shape.
+    """
+    try:
+        buckets, bounds, total = histogram._buckets, histogram._upper_bounds, histogram._sum
+    except AttributeError:
+        buckets = None
+    if buckets is None or count == 1:
+        for _ in range(count):
+            histogram.observe(value)
+        return
+    total.inc(value * count)
+    for bucket, bound in zip(buckets, bounds):
+        if value <= bound:
+            bucket.inc(count)
+            return
+
+
 class ServerMetrics:
     """All series rnnserve exports; pass one instance to the dataplane, scheduler and registry."""
 

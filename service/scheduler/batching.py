@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -87,21 +87,33 @@ class MergedBatch:
         return int(self.lengths.sum())
 
 
-def merge(parts: list[SequenceWork]) -> MergedBatch:
-    """Stack ``parts`` into one batch padded to the longest valid length; missing states are zeros."""
+def merge(parts: list[SequenceWork], buffer: Callable[[tuple[int, int, int]], np.ndarray | None] | None = None
+          ) -> MergedBatch:
+    """Stack ``parts`` into one batch padded to the longest valid length; missing states are zeros.
+
+    ``buffer(shape)``: where to build ``x`` (an engine's :meth:`~service.engines.base.Engine.input_buffer`,
+    uninitialized; the padding is zeroed here), else a new zeroed array.
+    """
     t_max = max(p.steps for p in parts)
     if len(parts) == 1 and parts[0].x.shape[1] == t_max:
         p = parts[0]
         return MergedBatch(p.x, p.lengths, p.h0, p.c0)
     n = sum(p.sequences for p in parts)
     feat = parts[0].x.shape[2]
-    x = np.zeros((n, t_max, feat), dtype=np.float32)
+    shape = (n, t_max, feat)
+    x = buffer(shape) if buffer is not None else None
+    zeroed = x is None
+    if zeroed:
+        x = np.zeros(shape, dtype=np.float32)
     lengths = np.empty(n, dtype=np.int64)
     h0 = _stack_states([p.h0 for p in parts], [p.sequences for p in parts])
     c0 = _stack_states([p.c0 for p in parts], [p.sequences for p in parts])
     row = 0
     for p in parts:
-        copy_sequences(x, row, p.x, min(p.x.shape[1], t_max))
+        steps = min(p.x.shape[1], t_max)
+        copy_sequences(x, row, p.x, steps)
+        if not zeroed and steps < t_max:
+            x[row:row + p.sequences, steps:] = 0
         lengths[row:row + p.sequences] = p.lengths
         row += p.sequences
     return MergedBatch(x, lengths, h0, c0)
@@ -187,8 +199,12 @@ def run_batch(engine: Any, parts: list[SequenceWork]) -> tuple[MergedBatch, list
 
 
 def launch_batch(engine: Any, parts: list[SequenceWork]) -> tuple[MergedBatch, Any]:
-    """Merge and queue the batch on a launching engine (``launches``); returns it with the engine's Launched."""
-    batch = merge(parts)
+    """Merge and queue the batch on a launching engine (``launches``); returns it with the engine's Launched.
+
+    The batch is merged into the engine's :meth:`~service.engines.base.Engine.input_buffer` (the GPU engine's
+    pinned memory), which the launch copies to the device as it is.
+    """
+    batch = merge(parts, getattr(engine, "input_buffer", None))
     pooled = pooled_rows(parts)
     options = _options(engine, parts, pooled is not None)
     if pooled is not None:

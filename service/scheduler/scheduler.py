@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DeadlineExceeded, RNNServeError, Unavailable
-from ..metrics import ServerMetrics
+from ..metrics import ServerMetrics, observe_many
 from .batching import SequenceWork, finish_batch, launch_batch, run_batch
 from .device_clock import DeviceClock
 
@@ -371,8 +371,7 @@ class Scheduler:
             m.computed_timesteps.inc(merged.computed_steps)
             m.useful_timesteps.inc(merged.useful_steps)
             for item in batch:
-                for _ in range(item.requests):
-                    m.queue_duration.observe(item.queue_seconds)
+                observe_many(m.queue_duration, item.queue_seconds, item.requests)
         for item, result in zip(batch, results):
             if not item.future.done():
                 item.future.set_result(result)

@@ -478,3 +478,43 @@ async def test_a_host_bound_engine_forms_the_next_batch_when_the_last_ends():
         np.testing.assert_allclose(res["output"], engine.inner.forward(w.x).output, rtol=1e-6, atol=1e-7)
     await sched.stop()
     engine.close()
+
+
+async def test_merge_into_a_lent_buffer_zeroes_the_padding_and_equals_a_fresh_merge():
+    rng = np.random.default_rng(3)
+    parts = [SequenceWork(rng.standard_normal((2, 7, 4)).astype(np.float32), np.array([7, 3])),
+             SequenceWork(rng.standard_normal((1, 2, 4)).astype(np.float32), np.array([2])),
+             SequenceWork(rng.standard_normal((3, 9, 4)).astype(np.float32), np.array([5, 4, 1]))]
+    lent = []
+
+    def buffer(shape):
+        lent.append(np.full(shape, np.nan, np.float32))  # uninitialized memory: anything may be there
+        return lent[-1]
+
+    fresh, into = merge(parts), merge(parts, buffer)
+    assert into.x is lent[0] and into.x.shape == fresh.x.shape == (6, 7, 4)
+    np.testing.assert_array_equal(into.x, fresh.x)
+    np.testing.assert_array_equal(into.lengths, fresh.lengths)
+    assert merge(parts, lambda shape: None).x.shape == fresh.x.shape  # an engine without buffers
+
+
+async def test_observe_many_equals_observing_one_by_one():
+    from prometheus_client import CollectorRegistry, Histogram
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.exposition import generate_latest
+
+    from service.metrics import observe_many
+
+    def exposition(record):
+        reg = CollectorRegistry()
+        h = Histogram("h_seconds", "h", ["model"], buckets=(0.001, 0.01, 0.1), registry=reg)
+        record(h.labels(model="m"))
+        return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(generate_latest(reg).decode())
+                for s in f.samples if not s.name.endswith("_created")]
+
+    values = [(0.0005, 3), (0.02, 1), (0.05, 4), (7.0, 2)]
+    many = exposition(lambda h: [observe_many(h, v, n) for v, n in values])
+    one_by_one = exposition(lambda h: [h.observe(v) for v, n in values for _ in range(n)])
+    assert [m[:2] for m in many] == [o[:2] for o in one_by_one]
+    assert [m[2] for m in many] == pytest.approx([o[2] for o in one_by_one], rel=1e-12)  # the sum's rounding
+    assert ("h_seconds_count", {"model": "m"}, 10.0) in many

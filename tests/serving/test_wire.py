@@ -70,3 +70,24 @@ def test_results_travel_as_plain_arrays():
     np.testing.assert_array_equal(back["output_last"], last[3:5])
     np.testing.assert_array_equal(back["h_n"], last[:, ::2])
     assert wire(None) is None
+
+
+@pytest.mark.parametrize("cut", [1, 7, 1000, None])
+def test_frames_split_anywhere_arrive_whole_and_in_order(cut):
+    from service.dataplane.remote import FrameConnection, _frame
+
+    rng = np.random.default_rng(0)
+    sent = [(k, "submit", (wire(rng.standard_normal((k + 1, 3, 2)).astype(np.float32)),)) for k in range(6)]
+    stream = b"".join(_frame(m) for m in sent)
+    got = []
+    conn = FrameConnection(got.append)
+    if cut is None:  # two reads: all but the last 5 bytes, then the rest
+        pieces = [stream[:-5], stream[-5:]]
+    else:
+        pieces = [stream[i:i + cut] for i in range(0, len(stream), cut)]
+    for piece in pieces:
+        conn.data_received(piece)
+    assert [m[0] for m in got] == list(range(6)) and not conn._buf
+    for (_, _, (arr,)), (_, _, (wired,)) in zip(got, sent):
+        np.testing.assert_array_equal(arr, wired.array)
+        arr[...] = 0  # a decoded array is the receiver's own, writable memory

@@ -331,6 +331,13 @@ class CudnnEngine(Engine):
                 hy = cy = None  # computed for the pool, not read by the caller
             return self._download(y, hy, cy, out_dtype, last_only)
 
+    def input_buffer(self, shape: tuple[int, int, int]) -> np.ndarray | None:
+        """Pinned host memory for a batch's float32 ``x`` (see the base class): ``launch`` copies it to
+        the GPU as it is. None when this engine stages float16 (the host copy converts then)."""
+        if self._conv.staging_dtype(np.dtype(np.float32)) != np.float32:
+            return None
+        return self._staging.lend(shape, np.float32)
+
     def state_pool(self, max_slots: int) -> StatePool:
         """Stream states on this engine's GPU, in its storage dtype (see :mod:`service.engines.state_pool`)."""
         self._ensure_open()

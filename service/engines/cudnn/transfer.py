@@ -1,8 +1,9 @@
 """Moving arrays between host and device, and between the caller's dtypes and the engine's.
 
-Host inputs go through one pinned staging buffer that is reused across calls
-(an event guards it), packed back to back so one host-to-device copy moves x, h0
-and c0 together; large contiguous inputs are copied directly (see HostStaging.upload). Host outputs are copied into pinned memory from CuPy's pinned
+Host inputs go through pinned blocks (:mod:`.pinned`): a merged batch is built in one by
+the scheduler (``CudnnEngine.input_buffer``), small inputs are packed back to back into
+one so that one host-to-device copy moves them together; large contiguous pageable
+inputs are copied directly (see HostStaging.upload). Host outputs are copied into pinned memory from CuPy's pinned
 pool and handed to the caller as NumPy arrays over that memory: one copy, no
 second pass on the host.
 """
@@ -66,26 +67,39 @@ class Converter:
 
 
 class HostStaging:
-    """A reusable pinned buffer for host-to-device copies of one engine."""
+    """Host-to-device copies of one engine through pinned blocks (see :mod:`.pinned`)."""
 
     def __init__(self, cp) -> None:
+        from .pinned import PinnedBlocks
+
         self.cp = cp
-        self._mem = None
-        self._nbytes = 0
-        self._event = None
+        self.blocks = PinnedBlocks(cp.cuda.alloc_pinned_memory,
+                                   lambda: cp.cuda.Event(block=False, disable_timing=True))
+
+    def lend(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """An uninitialized pinned host array that :meth:`upload` copies to the device without a host copy."""
+        return self.blocks.array(shape, dtype)
 
     def upload(self, arrays: list[tuple[np.ndarray, np.dtype]], stream) -> list:
         """Copy each (array, dtype) to the device as a C-contiguous array of that dtype.
 
-        Small arrays are packed into the pinned buffer and moved by one DMA. A large array that
-        is already contiguous in the right dtype is copied straight from its pageable memory:
-        the driver pipelines that copy, which beats a host-side copy into pinned memory first.
+        An array from :meth:`lend` goes straight from its pinned block. Small arrays are packed
+        into one pinned block and moved by one DMA. A large array that is already contiguous in
+        the right dtype is copied straight from its pageable memory: the driver pipelines that
+        copy, which beats a host-side copy into pinned memory first.
         """
         cp = self.cp
-        direct = {i: cp.empty(arr.shape, dtype=dtype) for i, (arr, dtype) in enumerate(arrays)
-                  if arr.nbytes >= DIRECT_BYTES and arr.dtype == dtype and arr.flags.c_contiguous}
-        for i, dev in direct.items():
-            cp.cuda.runtime.memcpyAsync(dev.data.ptr, arrays[i][0].ctypes.data, dev.nbytes, _H2D, stream.ptr)
+        direct = {}
+        for i, (arr, dtype) in enumerate(arrays):
+            if arr.dtype != dtype or not arr.flags.c_contiguous:
+                continue
+            blk = self.blocks.owner(arr) if arr.base is not None else None
+            if blk is None and arr.nbytes < DIRECT_BYTES:
+                continue
+            dev = direct[i] = cp.empty(arr.shape, dtype=dtype)
+            cp.cuda.runtime.memcpyAsync(dev.data.ptr, arr.ctypes.data, dev.nbytes, _H2D, stream.ptr)
+            if blk is not None:
+                self.blocks.copied(blk, stream)
         if len(direct) == len(arrays):
             return [direct[i] for i in range(len(arrays))]
         staged = [(i, arr, dtype) for i, (arr, dtype) in enumerate(arrays) if i not in direct]
@@ -101,19 +115,15 @@ class HostStaging:
             offsets.append(total)
             total += _round(arr.size * np.dtype(dtype).itemsize)
         total = max(total, _ALIGN)
-        if self._event is not None:
-            self._event.synchronize()  # the previous copy out of this buffer has finished
-        if total > self._nbytes:
-            self._nbytes = max(total, 2 * self._nbytes)
-            self._mem = cp.cuda.alloc_pinned_memory(self._nbytes)
+        blk = self.blocks.block(total)
+        view = None
         for (arr, dtype), off in zip(arrays, offsets):
-            view = np.frombuffer(self._mem, dtype=dtype, count=arr.size, offset=off).reshape(arr.shape)
+            view = np.frombuffer(blk.mem, dtype=dtype, count=arr.size, offset=off).reshape(arr.shape)
             np.copyto(view, arr, casting="unsafe")
+        del view
         dev = cp.empty(total, dtype=cp.uint8)
-        cp.cuda.runtime.memcpyAsync(dev.data.ptr, self._mem.ptr, total, _H2D, stream.ptr)
-        if self._event is None:
-            self._event = cp.cuda.Event(block=False, disable_timing=True)
-        self._event.record(stream)
+        cp.cuda.runtime.memcpyAsync(dev.data.ptr, blk.mem.ptr, total, _H2D, stream.ptr)
+        self.blocks.copied(blk, stream)
         return [cp.ndarray(arr.shape, dtype=dtype, memptr=dev.data + off) for (arr, dtype), off in zip(arrays, offsets)]
 
 
