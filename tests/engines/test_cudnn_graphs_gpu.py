@@ -9,7 +9,7 @@ import pytest
 from service.engines.cudnn import CudnnEngine
 from service.engines.cudnn.graphs import MIN_USES
 
-from test_cudnn_gpu import check_all, gpu, make_torch, model_from_torch, rand, reference_run  # noqa: E402
+from test_cudnn_gpu import check, check_all, gpu, make_torch, model_from_torch, rand, reference_run  # noqa: E402
 
 
 def _pair(model, **kw):
@@ -150,6 +150,42 @@ def test_graphs_of_many_shapes_share_one_workspace():
         info = graphed.describe()["cuda_graphs"]
         assert info["graphs"] >= 2 and info["replays"] >= len(shapes) and info["failed_shapes"] == 0
         assert info["bytes"] <= info["budget_bytes"]
+    finally:
+        graphed.close()
+        plain.close()
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["batch_major", "seq_major"])
+def test_ragged_padded_calls_replay_graphs_of_bucketed_shapes(layout):
+    """Many-to-one and full-output calls of ragged batches whose exact shapes never repeat run as
+    replays of a few graphs at bucketed shapes (shape_buckets.py), with the numbers of plain calls."""
+    from service.scheduler.batching import output_last
+
+    model = model_from_torch(make_torch("lstm", 6, 24, 2, False, seed=21), max_batch_size=16)
+    graphed, plain = _pair(model, layout=layout)
+    rng = np.random.default_rng(4)
+    try:
+        shapes = set()
+        for call in range(24):
+            n = int(rng.integers(9, 17))
+            lengths = rng.integers(20, 45, n)
+            lengths[0] = 44 - call % 3  # longest 42..44: one step bucket, never the same (n, t) pair twice in a row
+            shapes.add((n, int(lengths.max())))
+            x = rand((n, int(lengths.max()), 6), seed=call)
+            want = reference_run(model, x, lengths)
+            last = graphed.launch(x, lengths, states_needed=False, last_only=True)
+            last.wait()
+            got_last = last.finish().last
+            check(got_last, output_last(model.spec, want.output, lengths), what="output_last")
+            plain_last = plain.launch(x, lengths, states_needed=False, last_only=True)
+            plain_last.wait()
+            np.testing.assert_allclose(got_last, plain_last.finish().last, rtol=1e-5, atol=1e-6)
+            full = graphed.forward(x, lengths, states_needed=False)
+            check(full.output, want.output, what="output")  # zero past each length, as the reference
+        info = graphed.describe()["cuda_graphs"]
+        assert info["replays"] >= 24 and info["failed_shapes"] == 0
+        assert info["captures"] < len(shapes) // 2, (info, len(shapes))
     finally:
         graphed.close()
         plain.close()

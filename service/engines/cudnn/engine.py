@@ -33,6 +33,7 @@ from .block import AlgorithmRejected
 from .block_states import block_views, new_states, read_slots, write_slots
 from .copies import last_steps, swap01
 from .graphs import SETUP_LOCK, GraphRuns
+from .shape_buckets import graph_shape
 from .transfer import download_results
 from .warmup import warm_paths
 
@@ -120,6 +121,7 @@ class CudnnEngine(Engine):
         self._uniform_c = self.spec.cell_state_size is not None
         self._uniform_lengths: dict[tuple[int, int], tuple[tuple, np.ndarray, Any]] = {}
         self._plans: dict[tuple[int, int], list[Group]] = {}
+        self._graph_shapes: dict[tuple[int, int], tuple[int, int]] = {}
         SETUP_LOCK.acquire()  # see graphs.SETUP_LOCK; released once the engine is built or has failed
         try:
             self._ctx = DeviceContext(self._lib, int(device_id))
@@ -440,6 +442,16 @@ class CudnnEngine(Engine):
             groups = plan(self._table, b, t, lens, pad_ok)
             if uniform_lengths and len(self._plans) < 1024:
                 self._plans[key] = groups
+        if (states is None and self._graphs is not None and len(groups) == 1 and groups[0].rows is None
+                and groups[0].uniform and int(lens.min()) < t):  # a padded run (see the docstring)
+            y = self._padded_graph(x_d, b, t)
+            if y is not None:
+                if not zero_padding:
+                    return y, None, None, None, None
+                y = y[:, :t]
+                dev_lens = ragged_lens if ragged_lens is not None else cp.asarray(lens.astype(np.int32))
+                y *= (cp.arange(t, dtype=cp.int32)[None, :] < dev_lens[:, None])[:, :, None]
+                return y, None, None, None, None
         hy, cy, hys, cys = self._new_states(b)
         if len(groups) == 1 and groups[0].rows is None:
             g = groups[0]
@@ -462,6 +474,25 @@ class CudnnEngine(Engine):
             y = self._run_groups(groups, x_d, b, t, states, hys, cys)
         return y, hy, cy, hys, cys
 
+
+    def _padded_graph(self, x_d, b: int, t: int):
+        """A padded call replayed as a CUDA graph of a bucketed shape (see :mod:`.shape_buckets`), or None.
+
+        Returns the first ``b`` rows of the graph's output, [b, T, F] with T >= ``t`` (steps past
+        ``t`` are not the caller's); None when the shape is not bucketed or has no graph yet.
+        """
+        shape = self._graph_shapes.get((b, t))
+        if shape is None:
+            if len(self._graph_shapes) > 65536:
+                self._graph_shapes.clear()
+            shape = self._graph_shapes[(b, t)] = graph_shape(self._table, b, t)
+        n, steps = shape
+        if shape == (b, t):
+            return None
+        lens_key, lens_host, lens_dev = self._uniform(n, steps)
+        y = self._graphs.run(x_d, n, steps, lens_key, lens_host, lens_dev, None, self._table.algos_for(n, steps),
+                             self._table.seq_major_for(n), None, None)
+        return None if y is None else y[:b]
 
     def _last(self, y, b, t, lens, lens_dev=None):
         """Each sequence's many-to-one output row [b, F] of ``y`` (storage dtype), on the device."""

@@ -106,11 +106,14 @@ class GraphRuns:
         self.capture_seconds = 0.0  # host time of captures: the calls that captured waited this long
 
     def run(self, x: Any, n: int, t: int, lens_key: tuple, lens_host: Any, lens_dev: Any, states: Any,
-            algos: tuple[int, ...], seq_major: bool, hys: list, cys: list) -> Any | None:
+            algos: tuple[int, ...], seq_major: bool, hys: list | None, cys: list | None) -> Any | None:
         """Run the call as a graph and return its output, or None when the caller must run it itself.
 
         ``states``/``hys``/``cys`` as in the engine's ``_run_blocks``; the final states are copied
-        into ``hys``/``cys``.
+        into ``hys``/``cys`` (None: not wanted). ``x`` may be smaller than [n, t, I] (a padded call at
+        a bucketed shape, see :mod:`.shape_buckets`; then ``states`` must be None): it fills the
+        top-left corner of the graph's input, and the rest holds what earlier calls left there
+        (zeros at first), which only rows and steps past ``x``'s own feed.
         """
         if lens_key[-1] is not None or self.budget <= 0:
             return None
@@ -146,7 +149,7 @@ class GraphRuns:
                 if c_s is not None:
                     self._copy(c_s, c, stream)
         got.graph.launch(stream)
-        for k in range(len(hys)):
+        for k in range(len(hys) if hys is not None else 0):
             self._copy(hys[k], got.hys[k], stream)
             if cys[k] is not None:
                 self._copy(cys[k], got.cys[k], stream)
@@ -182,6 +185,14 @@ class GraphRuns:
                 "workspace_bytes": 0 if self._workspace is None else self._workspace.nbytes}
 
     def _copy(self, dst: Any, src: Any, stream: Any) -> None:
+        if dst.ndim == 3 and src.shape != dst.shape:  # a smaller [n, t, I] input into the graph's [N, T, I]
+            if not (src.flags.c_contiguous and dst.flags.c_contiguous):
+                dst[:src.shape[0], :src.shape[1]] = src
+                return
+            row, pitch = src.strides[0], dst.strides[0]
+            self.cp.cuda.runtime.memcpy2DAsync(dst.data.ptr, pitch, src.data.ptr, row, row, src.shape[0], _D2D,
+                                               stream.ptr)
+            return
         if dst.nbytes != src.nbytes or not (dst.flags.c_contiguous and src.flags.c_contiguous):
             dst[...] = src
             return
@@ -192,7 +203,7 @@ class GraphRuns:
         cp, store, stream = self.cp, self.store, self.ctx.stream
         started = time.perf_counter()
         try:
-            x_s = cp.zeros(x.shape, store)
+            x_s = cp.zeros((n, t, x.shape[2]), store)
             states, hys, cys, ys, keep = [], [], [], [], [lens_dev]
             for k, runner in enumerate(self.runners):
                 blk = runner.spec

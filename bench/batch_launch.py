@@ -1,0 +1,97 @@
+"""Host time the engine process's thread spends per batch: merge + launch, and split once done.
+
+Under load the engine process's one thread is what limits `rnnserve serve` (binary HTTP at
+concurrency 64 on an H100 host: that thread at 1.0 core, `bench/serve.py`'s "cores" column),
+and most of its time goes to forming and launching batches. This times exactly that path,
+``launch_batch`` and ``finish_batch`` of ``service.scheduler.batching``, on the serving
+benchmark's LSTM (I=40, H=128, lengths 20..200, many-to-one) with batches made of parts
+the way front-end processes send them (1-4 requests merged per message), one batch in
+flight behind another as in the server. Run it from two checkouts on one host to compare
+code versions without the noise of whole-server runs (autotuning, the host's other load).
+
+    python bench/batch_launch.py [--device cuda] [--batches 8,19,32,64] [--reps 200]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def make_parts(rng: np.random.Generator, sequences: int, features: int) -> list:
+    """``sequences`` requests of 20..200 steps, merged 1-4 per message as a front-end's lane does."""
+    from service.scheduler import SequenceWork
+    from service.scheduler.batching import merge
+
+    parts, left = [], sequences
+    while left:
+        k = min(left, int(rng.integers(1, 5)))
+        reqs = [SequenceWork(rng.standard_normal((1, n, features)).astype(np.float32), np.array([n]),
+                             outputs=frozenset({"output_last"}))
+                for n in rng.integers(20, 201, k)]
+        m = merge(reqs)
+        parts.append(SequenceWork(m.x, m.lengths, outputs=frozenset({"output_last"})))
+        left -= k
+    return parts
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--batches", default="8,19,32,64")
+    p.add_argument("--reps", type=int, default=200)
+    args = p.parse_args(argv)
+
+    import serve
+    from service import create_engine
+    from service.repository import load_model
+    from service.scheduler.batching import finish_batch, launch_batch
+
+    repo = Path(tempfile.mkdtemp())
+    serve.write_repository(repo, 40, 128, 1)
+    engine = create_engine(load_model(repo / "bench"), device=args.device)
+    if not getattr(engine, "launches", False):
+        print(f"engine '{engine.name}' does not launch; nothing to time")
+        return 0
+    rng = np.random.default_rng(0)
+    print(f"host ms per batch on the launching thread (median of {args.reps}), engine {engine.name}, "
+          f"LSTM I=40 H=128, lengths 20..200, many-to-one, one batch in flight behind another")
+    print("| sequences | parts | launch_batch ms | finish_batch ms | per sequence µs |")
+    print("|--:|--:|--:|--:|--:|")
+    for b in (int(s) for s in args.batches.split(",")):
+        pool = [make_parts(rng, b, 40) for _ in range(16)]
+        launches, finishes, prev = [], [], None
+        for rep in range(args.reps + 10):
+            parts = pool[rep % len(pool)]
+            t0 = time.perf_counter()
+            merged, launched = launch_batch(engine, parts)
+            t1 = time.perf_counter()
+            if prev is not None:  # the previous batch ends while this one is queued behind it
+                prev[1].wait()
+                t2 = time.perf_counter()
+                finish_batch(engine, *prev)
+                t3 = time.perf_counter()
+                if rep >= 10:
+                    launches.append(t1 - t0)
+                    finishes.append(t3 - t2)
+            prev = (merged, launched, parts)
+        prev[1].wait()
+        finish_batch(engine, *prev)
+        launch_ms, finish_ms = 1e3 * statistics.median(launches), 1e3 * statistics.median(finishes)
+        print(f"| {b} | {len(pool[0])} | {launch_ms:.3f} | {finish_ms:.3f} | {1e3 * (launch_ms + finish_ms) / b:.1f} |",
+              flush=True)
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

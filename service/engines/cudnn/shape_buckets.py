@@ -1,0 +1,60 @@
+"""Coarser shapes for padded calls, so that ragged traffic replays CUDA graphs instead of launching cuDNN.
+
+A ragged many-to-one batch of a causal model runs padded (every row to the batch's
+longest length; see :func:`.autotune.plan`), so its shape is (rows, longest length),
+which under real traffic almost never repeats: 64 batch sizes times 200 lengths, and a
+CUDA graph is captured only for a shape seen twice. Each such call then paid cuDNN's
+host-side launch (about a tenth of the engine process's thread under binary-HTTP load
+at concurrency 64, H100 host). Running the call at a slightly larger shape from a small
+set lets a few dozen graphs cover the traffic:
+
+* rows up to the batch-size bucket, when the autotuner's timings say the GPU time
+  barely grows with rows there (small models are latency-bound: 64 rows cost about
+  what 33 do); extra rows compute on whatever the graph's input buffer holds and
+  are never read;
+* steps up to a grid with 2, 4 or 8 values per octave (the coarsest whose extra steps
+  fit the budget), past each row's length, where a causal model's outputs are not read.
+
+Each side may add at most ``budget_ms / 2`` of estimated GPU time: what a replay saves
+on the host. A model whose GPU time grows with every row and step (large H) keeps its
+exact shapes.
+"""
+from __future__ import annotations
+
+from .autotune import AlgoTable
+
+PAD_BUDGET_MS = 0.1
+
+
+def round_steps(steps: int, per_octave: int) -> int:
+    """``steps`` rounded up to a grid of ``per_octave`` values per power of two (exact below ``per_octave``)."""
+    if steps <= per_octave:
+        return steps
+    stride = 1 << max(0, steps.bit_length() - 1 - per_octave.bit_length() + 1)
+    return -(-steps // stride) * stride
+
+
+def _cost(table: AlgoTable, n: int, steps: int) -> float:
+    return sum(table.cost_ms(k, a, n, steps) for k, a in enumerate(table.algos_for(n, steps)))
+
+
+def graph_shape(table: AlgoTable, n: int, steps: int, budget_ms: float = PAD_BUDGET_MS) -> tuple[int, int]:
+    """(rows, steps) to run a padded call of ``n`` rows and ``steps`` steps at: each at least as large."""
+    if n > table.biggest:
+        return n, steps
+    rows = n
+    bucket = table.bucket_for(n)
+    smaller = [b for b in table.buckets if b < bucket]
+    if bucket != n:
+        prev = smaller[-1] if smaller else 0
+        base = _cost(table, prev, steps) if prev else 0.0
+        per_row = max(0.0, (_cost(table, bucket, steps) - base) / (bucket - prev))
+        if per_row * (bucket - n) <= budget_ms / 2:
+            rows = bucket
+    padded = steps
+    for per_octave in (2, 4, 8):
+        candidate = round_steps(steps, per_octave)
+        if _cost(table, rows, candidate) - _cost(table, rows, steps) <= budget_ms / 2:
+            padded = candidate
+            break
+    return rows, padded

@@ -1,0 +1,54 @@
+"""Bucketed shapes of padded calls (service.engines.cudnn.shape_buckets) from made-up autotuner timings."""
+from __future__ import annotations
+
+import pytest
+
+from service.engines.cudnn.autotune import AlgoTable, BucketChoice, Trial
+from service.engines.cudnn.shape_buckets import graph_shape, round_steps
+
+
+def test_round_steps_keeps_per_octave_values_and_never_shrinks():
+    assert [round_steps(t, 8) for t in (5, 8, 9, 17, 20, 21, 129, 150, 200)] == [5, 8, 9, 18, 20, 22, 144, 160, 208]
+    assert [round_steps(t, 4) for t in (20, 21, 129, 150, 200)] == [20, 24, 160, 160, 224]
+    assert [round_steps(t, 2) for t in (20, 129, 200)] == [24, 192, 256]
+    for per_octave in (2, 4, 8):
+        grid = {round_steps(t, per_octave) for t in range(64, 128)}
+        assert len(grid - {128}) == per_octave and max(grid) == 128
+        assert all(round_steps(t, per_octave) >= t for t in range(1, 600))
+
+
+def _table(ms_per_step: float, ms_per_row: float, buckets=(1, 2, 4, 8, 16, 32, 64)) -> AlgoTable:
+    """One block, persistent everywhere; a call costs fixed + per step x (1 + rows x per-row share)."""
+    per = []
+    for b in buckets:
+        at = lambda steps: 0.02 + ms_per_step * steps * (1 + ms_per_row * b)  # noqa: E731
+        trial = Trial(1, time_ms=at(50), long_ms=at(200))
+        per.append(BucketChoice(b, 1, trial.time_ms, {1: trial, 0: Trial(0, time_ms=10 * trial.time_ms)}))
+    return AlgoTable(tuple(buckets), [per], steps=50, long_steps=200)
+
+
+def test_a_latency_bound_model_pads_rows_to_the_bucket_and_steps_to_a_grid():
+    table = _table(ms_per_step=0.003, ms_per_row=0.001)
+    rows, steps = graph_shape(table, 19, 150)
+    assert rows == 32 and steps in (160, 192) and steps >= 150
+    assert graph_shape(table, 64, 128) == (64, 128)  # already on the grid and a bucket
+    assert graph_shape(table, 100, 150) == (100, 150)  # past the biggest bucket: as it is
+
+
+@pytest.mark.parametrize("n,t", [(19, 150), (3, 37), (33, 201)])
+def test_a_model_whose_time_grows_with_rows_and_steps_keeps_its_shape(n, t):
+    assert graph_shape(_table(ms_per_step=0.05, ms_per_row=0.5), n, t) == (n, t)
+
+
+def test_the_estimated_extra_time_stays_within_the_budget():
+    table = _table(ms_per_step=0.003, ms_per_row=0.02)
+    for n in range(1, 65):
+        for t in range(1, 260, 7):
+            rows, steps = graph_shape(table, n, t, budget_ms=0.1)
+            assert rows >= n and steps >= t
+
+            def cost(r, s):
+                return sum(table.cost_ms(k, a, r, s) for k, a in enumerate(table.algos_for(r, s)))
+
+            assert cost(rows, t) - cost(n, t) <= 0.05 + 1e-9 or rows == n
+            assert cost(rows, steps) - cost(rows, t) <= 0.05 + 1e-9
