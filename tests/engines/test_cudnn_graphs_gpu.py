@@ -13,7 +13,8 @@ from test_cudnn_gpu import check, check_all, gpu, make_torch, model_from_torch, 
 
 
 def _pair(model, **kw):
-    return CudnnEngine(model, **kw), CudnnEngine(model, graph_memory_mb=0, **kw)
+    plain = {k: v for k, v in kw.items() if k != "bucket_graphs"}
+    return CudnnEngine(model, **kw), CudnnEngine(model, graph_memory_mb=0, **plain)
 
 
 @gpu
@@ -78,7 +79,7 @@ def test_device_outputs_survive_later_replays():
 def test_stream_chunks_replay_with_their_states():
     # forward_blocks with carried states: the path stateful streams take, chunk after chunk
     model = model_from_torch(make_torch("lstm", 5, 24, 2, False, seed=9), max_batch_size=4)
-    graphed, plain = _pair(model)
+    graphed, plain = _pair(model, bucket_graphs=False)  # bit for bit: the graph at the call's own shape
     try:
         x = rand((3, 8 * (MIN_USES + 2), 5), seed=11)
         sg = sp = None
@@ -186,6 +187,30 @@ def test_ragged_padded_calls_replay_graphs_of_bucketed_shapes(layout):
         info = graphed.describe()["cuda_graphs"]
         assert info["replays"] >= 24 and info["failed_shapes"] == 0
         assert info["captures"] < len(shapes) // 2, (info, len(shapes))
+    finally:
+        graphed.close()
+        plain.close()
+
+
+@gpu
+def test_equal_length_calls_with_states_replay_graphs_at_their_bucket_rows():
+    """Stream-like calls (equal lengths, initial and final states) of changing batch sizes replay a graph
+    per batch bucket: the caller's rows and states go into the graph's first rows and come back out."""
+    model = model_from_torch(make_torch("lstm", 5, 24, 2, False, seed=23), max_batch_size=16)
+    graphed, plain = _pair(model)
+    rows = model.spec.state_layers
+    try:
+        sizes = [9, 11, 13, 15, 16, 10, 12, 14] * 2
+        for call, n in enumerate(sizes):
+            x = rand((n, 10, 5), seed=call)
+            h0, c0 = rand((n, rows, 24), seed=50 + call, scale=0.5), rand((n, rows, 24), seed=90 + call, scale=0.5)
+            a, b = graphed.forward(x, None, h0, c0), plain.forward(x, None, h0, c0)
+            for got, want in ((a.output, b.output), (a.h_n, b.h_n), (a.c_n, b.c_n)):
+                assert got.shape == want.shape
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+            check_all(a, reference_run(model, x, None, h0, c0))
+        info = graphed.describe()["cuda_graphs"]
+        assert info["replays"] >= len(sizes) - 4 and info["captures"] <= 2 and info["failed_shapes"] == 0, info
     finally:
         graphed.close()
         plain.close()

@@ -33,7 +33,7 @@ from .block import AlgorithmRejected
 from .block_states import block_views, new_states, read_slots, write_slots
 from .copies import last_steps, swap01
 from .graphs import SETUP_LOCK, GraphRuns
-from .shape_buckets import graph_shape
+from .shape_buckets import graph_rows, graph_shape
 from .transfer import download_results
 from .warmup import warm_paths
 
@@ -69,7 +69,9 @@ class CudnnEngine(Engine):
     asleep instead of spinning a core (the server sets it: its other processes and threads
     need the cores while the GPU computes; a spin wakes ~10 µs sooner). ``graph_memory_mb``: the
     budget of CUDA graphs for repeated equal-length calls (default: the model's config; 0: none;
-    see :mod:`.graphs`).
+    see :mod:`.graphs`). ``bucket_graphs``: replay graphs of bucketed shapes for calls whose
+    shapes differ (see :mod:`.shape_buckets`); False runs every graph at the call's exact shape
+    (tests that compare replays with plain calls bit for bit).
     """
 
     name = "cudnn"
@@ -82,7 +84,7 @@ class CudnnEngine(Engine):
                  max_batch_size: int | None = None, autotune: bool = True, device_id: int = 0,
                  force_per_matrix_upload: bool = False, algorithm: str | None = None,
                  buckets: tuple[int, ...] | None = None, tune_steps: int = 50, layout: str | None = None,
-                 blocking_sync: bool = False, graph_memory_mb: int | None = None) -> None:
+                 blocking_sync: bool = False, graph_memory_mb: int | None = None, bucket_graphs: bool = True) -> None:
         started = time.perf_counter()
         self.model = model
         self.spec = model.spec
@@ -122,6 +124,8 @@ class CudnnEngine(Engine):
         self._uniform_lengths: dict[tuple[int, int], tuple[tuple, np.ndarray, Any]] = {}
         self._plans: dict[tuple[int, int], list[Group]] = {}
         self._graph_shapes: dict[tuple[int, int], tuple[int, int]] = {}
+        self._graph_rows: dict[tuple[int, int], int] = {}
+        self._bucket_graphs = bool(bucket_graphs) and autotune  # untuned: no timings to weigh padding with
         SETUP_LOCK.acquire()  # see graphs.SETUP_LOCK; released once the engine is built or has failed
         try:
             self._ctx = DeviceContext(self._lib, int(device_id))
@@ -442,7 +446,8 @@ class CudnnEngine(Engine):
             groups = plan(self._table, b, t, lens, pad_ok)
             if uniform_lengths and len(self._plans) < 1024:
                 self._plans[key] = groups
-        if (states is None and self._graphs is not None and len(groups) == 1 and groups[0].rows is None
+        if (states is None and self._graphs is not None and self._bucket_graphs and len(groups) == 1
+                and groups[0].rows is None
                 and groups[0].uniform and int(lens.min()) < t):  # a padded run (see the docstring)
             y = self._padded_graph(x_d, b, t)
             if y is not None:
@@ -493,6 +498,17 @@ class CudnnEngine(Engine):
         y = self._graphs.run(x_d, n, steps, lens_key, lens_host, lens_dev, None, self._table.algos_for(n, steps),
                              self._table.seq_major_for(n), None, None)
         return None if y is None else y[:b]
+
+    def _bucketed_rows(self, n: int, t: int) -> int:
+        """Rows an equal-length call of ``n`` rows replays its graph at (``n`` unless bucketing pays)."""
+        if not self._bucket_graphs or self._forced is not None:
+            return n
+        rows = self._graph_rows.get((n, t))
+        if rows is None:
+            if len(self._graph_rows) > 65536:
+                self._graph_rows.clear()
+            rows = self._graph_rows[(n, t)] = graph_rows(self._table, n, t)
+        return rows
 
     def _last(self, y, b, t, lens, lens_dev=None):
         """Each sequence's many-to-one output row [b, F] of ``y`` (storage dtype), on the device."""
@@ -558,6 +574,13 @@ class CudnnEngine(Engine):
         cp, store = self._cp, self._prec.store
         hys, cys = out if out is not None else self._new_states(n)[2:]
         if self._graphs is not None:
+            rows = self._bucketed_rows(n, t) if lens_key[-1] is None else n
+            if rows != n:  # an equal-length call at its bucket's rows (see shape_buckets)
+                lk, lh, ld = self._uniform(rows, t)
+                y = self._graphs.run(x, rows, t, lk, lh, ld, states, self._table.algos_for(rows, t), seq_major,
+                                     hys, cys)
+                if y is not None:
+                    return y[:n], hys, cys
             y = self._graphs.run(x, n, t, lens_key, lens_host, lens_dev, states, algos, seq_major, hys, cys)
             if y is not None:
                 return y, hys, cys

@@ -110,10 +110,11 @@ class GraphRuns:
         """Run the call as a graph and return its output, or None when the caller must run it itself.
 
         ``states``/``hys``/``cys`` as in the engine's ``_run_blocks``; the final states are copied
-        into ``hys``/``cys`` (None: not wanted). ``x`` may be smaller than [n, t, I] (a padded call at
-        a bucketed shape, see :mod:`.shape_buckets`; then ``states`` must be None): it fills the
-        top-left corner of the graph's input, and the rest holds what earlier calls left there
-        (zeros at first), which only rows and steps past ``x``'s own feed.
+        into ``hys``/``cys`` (None: not wanted). ``x`` (and ``states``, ``hys``, ``cys``) may have fewer
+        rows, and ``x`` fewer steps, than the graph (a call at a bucketed shape, see
+        :mod:`.shape_buckets`): they fill the first rows and steps of the graph's buffers, and the
+        rest holds what earlier calls left there (zeros at first), which only feeds rows and steps
+        nobody reads.
         """
         if lens_key[-1] is not None or self.budget <= 0:
             return None
@@ -185,15 +186,20 @@ class GraphRuns:
                 "workspace_bytes": 0 if self._workspace is None else self._workspace.nbytes}
 
     def _copy(self, dst: Any, src: Any, stream: Any) -> None:
-        if dst.ndim == 3 and src.shape != dst.shape:  # a smaller [n, t, I] input into the graph's [N, T, I]
+        if dst.shape != src.shape:
+            # a call at a bucketed shape: the caller's [n, t, I] input or [R, n, W] states into the
+            # first rows (and steps) of the graph's larger buffers, or its final states back out
+            if dst.ndim != 3 or dst.shape[2] != src.shape[2]:
+                raise ValueError(f"cannot copy {src.shape} into {dst.shape}")
             if not (src.flags.c_contiguous and dst.flags.c_contiguous):
-                dst[:src.shape[0], :src.shape[1]] = src
+                corner = tuple(slice(0, min(a, b)) for a, b in zip(dst.shape, src.shape))
+                dst[corner] = src[corner]
                 return
-            row, pitch = src.strides[0], dst.strides[0]
-            self.cp.cuda.runtime.memcpy2DAsync(dst.data.ptr, pitch, src.data.ptr, row, row, src.shape[0], _D2D,
-                                               stream.ptr)
+            width = min(dst.strides[0], src.strides[0])
+            self.cp.cuda.runtime.memcpy2DAsync(dst.data.ptr, dst.strides[0], src.data.ptr, src.strides[0], width,
+                                               min(dst.shape[0], src.shape[0]), _D2D, stream.ptr)
             return
-        if dst.nbytes != src.nbytes or not (dst.flags.c_contiguous and src.flags.c_contiguous):
+        if not (dst.flags.c_contiguous and src.flags.c_contiguous):
             dst[...] = src
             return
         if dst.nbytes:

@@ -17,7 +17,8 @@ set lets a few dozen graphs cover the traffic:
 
 Each side may add at most ``budget_ms / 2`` of estimated GPU time: what a replay saves
 on the host. A model whose GPU time grows with every row and step (large H) keeps its
-exact shapes.
+exact shapes. Equal-length calls that need their final states (stream chunks) pad rows
+only: steps past a sequence's end would change its final state.
 """
 from __future__ import annotations
 
@@ -38,19 +39,26 @@ def _cost(table: AlgoTable, n: int, steps: int) -> float:
     return sum(table.cost_ms(k, a, n, steps) for k, a in enumerate(table.algos_for(n, steps)))
 
 
+def graph_rows(table: AlgoTable, n: int, steps: int, budget_ms: float = PAD_BUDGET_MS) -> int:
+    """Rows to run a call of ``n`` rows and ``steps`` steps at: ``n``'s batch bucket when the table's
+    timings put the extra rows within ``budget_ms / 2``, else ``n``."""
+    if n > table.biggest:
+        return n
+    bucket = table.bucket_for(n)
+    if bucket == n:
+        return n
+    smaller = [b for b in table.buckets if b < bucket]
+    prev = smaller[-1] if smaller else 0
+    base = _cost(table, prev, steps) if prev else 0.0
+    per_row = max(0.0, (_cost(table, bucket, steps) - base) / (bucket - prev))
+    return bucket if per_row * (bucket - n) <= budget_ms / 2 else n
+
+
 def graph_shape(table: AlgoTable, n: int, steps: int, budget_ms: float = PAD_BUDGET_MS) -> tuple[int, int]:
     """(rows, steps) to run a padded call of ``n`` rows and ``steps`` steps at: each at least as large."""
+    rows = graph_rows(table, n, steps, budget_ms)
     if n > table.biggest:
         return n, steps
-    rows = n
-    bucket = table.bucket_for(n)
-    smaller = [b for b in table.buckets if b < bucket]
-    if bucket != n:
-        prev = smaller[-1] if smaller else 0
-        base = _cost(table, prev, steps) if prev else 0.0
-        per_row = max(0.0, (_cost(table, bucket, steps) - base) / (bucket - prev))
-        if per_row * (bucket - n) <= budget_ms / 2:
-            rows = bucket
     padded = steps
     for per_octave in (2, 4, 8):
         candidate = round_steps(steps, per_octave)
