@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 from ..errors import NotFound, RNNServeError, StaleModelView, Unavailable
 from ..wire import wire
-from .coalesce import Lane
+from .coalesce import ChunkLane, Lane
 from .types import InferRequest, InferResponse
 from .view import ModelView, prepare, respond
 
@@ -120,6 +120,15 @@ class FrameConnection(asyncio.Protocol):
             self._on_lost()
 
 
+def _outcome(fut: asyncio.Future) -> tuple[bool, Any]:
+    """(ok, value) of a settled future of the engine process's DataPlane, ready to send."""
+    if fut.cancelled():
+        return False, Unavailable("the request was cancelled in the engine process")
+    if fut.exception() is not None:
+        return False, _portable(fut.exception())
+    return True, {name: wire(a) for name, a in fut.result().items()}
+
+
 def _portable(exc: BaseException) -> RNNServeError:
     if isinstance(exc, RNNServeError):
         return exc
@@ -161,6 +170,9 @@ class DataPlaneServer:
             if method == "submit":
                 self._submit(conn, msg_id, args)
                 return
+            if method == "submit_many":
+                self._submit_many(conn, msg_id, args)
+                return
             if method in ASYNC_METHODS:
                 # Concurrent: requests from one front-end must be able to batch together.
                 task = asyncio.get_running_loop().create_task(self._call_async(conn, msg_id, method, args))
@@ -189,12 +201,32 @@ class DataPlaneServer:
 
     def _answer(self, conn: FrameConnection, msg_id: int, fut: asyncio.Future) -> None:
         self._tasks.discard(fut)
-        if fut.cancelled():
-            conn.send((msg_id, False, Unavailable("the request was cancelled in the engine process")))
-        elif fut.exception() is not None:
-            conn.send((msg_id, False, _portable(fut.exception())))
-        else:
-            conn.send((msg_id, True, {name: wire(a) for name, a in fut.result().items()}))
+        conn.send((msg_id, *_outcome(fut)))
+
+    def _submit_many(self, conn: FrameConnection, msg_id: int, args: tuple) -> None:
+        """Several works of one model (a front-end's ChunkLane): each runs and fails on its own; one reply
+        carries every (ok, value), in order, once the last is done."""
+        name, version, generation, items = args
+        outcomes: list[tuple[bool, Any] | None] = [None] * len(items)
+        left = len(items)
+
+        def settle(i: int, fut: asyncio.Future | None = None, exc: Exception | None = None) -> None:
+            nonlocal left
+            if fut is not None:
+                self._tasks.discard(fut)
+            outcomes[i] = _outcome(fut) if fut is not None else (False, _portable(exc))
+            left -= 1
+            if not left:
+                conn.send((msg_id, True, outcomes))
+
+        for i, prepared in enumerate(items):
+            try:
+                fut = self.dataplane.submit_prepared(name, version, generation, prepared)
+            except Exception as exc:  # noqa: BLE001 - that work's caller gets it
+                settle(i, exc=exc)
+                continue
+            self._tasks.add(fut)
+            fut.add_done_callback(partial(settle, i))
 
     async def _call_async(self, conn: FrameConnection, msg_id: int, method: str, args: tuple) -> None:
         try:
@@ -236,6 +268,7 @@ class RemoteDataPlane:
         self._draining = False
         self._views: dict[tuple[str, str], ModelView] = {}
         self._lanes: dict[tuple[str, str, int], Lane] = {}
+        self._chunk_lanes: dict[tuple[str, str, int], ChunkLane] = {}
 
     async def connect(self) -> None:
         """Open both connections to the engine process."""
@@ -350,6 +383,8 @@ class RemoteDataPlane:
         try:
             if prepared.stream is None and prepared.deadline is None and view.max_batch_size > 1:
                 results = await self._lane(key, view).submit(prepared)
+            elif prepared.stream is not None:
+                results = await self._chunk_lane(key, view).submit(prepared)
             else:
                 results = await self._call("submit", *key, view.generation, prepared)
         except StaleModelView:  # reloaded since the view was fetched: the engine process validates it again
@@ -367,11 +402,20 @@ class RemoteDataPlane:
                 view, partial(self._send, "submit", *key, view.generation))
         return lane
 
+    def _chunk_lane(self, key: tuple[str, str], view: ModelView) -> ChunkLane:
+        lane = self._chunk_lanes.get(key + (view.generation,))
+        if lane is None:
+            lane = self._chunk_lanes[key + (view.generation,)] = ChunkLane(
+                partial(self._send, "submit", *key, view.generation),
+                partial(self._send, "submit_many", *key, view.generation))
+        return lane
+
     def _forget(self, key: tuple[str, str], view: ModelView) -> None:
         """Fetch the model's view again on its next request (reloaded or unloaded)."""
         if self._views.get(key) is view:
             del self._views[key]
         self._lanes.pop(key + (view.generation,), None)
+        self._chunk_lanes.pop(key + (view.generation,), None)
 
     async def load_model(self, name: str) -> None:
         await self._call("load_model", name)

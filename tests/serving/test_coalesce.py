@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import pickle
 
 import numpy as np
 import pytest
@@ -129,3 +130,88 @@ async def test_an_error_fails_every_merged_request_and_a_cancelled_one_is_not_se
     assert [p.requests for p in sent] == [2]
     assert isinstance(outcomes[0], InvalidInput) and isinstance(outcomes[2], InvalidInput)
     assert isinstance(outcomes[1], asyncio.CancelledError)
+
+
+class ServerSide:
+    """A ChunkLane's two sends into the engine process's DataPlaneServer, without a socket: each message's
+    reply resolves the future the lane waits on, as RemoteDataPlane's would."""
+
+    def __init__(self, dataplane: DataPlane) -> None:
+        from service.dataplane.remote import DataPlaneServer
+
+        self.server = DataPlaneServer(dataplane, "unused")
+        self.generation = dataplane.model_view("lstm").generation
+        self.messages: list[int] = []  # chunks per message
+
+    def _call(self, method: str, payload) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+
+        class Conn:
+            @staticmethod
+            def send(reply) -> None:
+                _, ok, value = pickle.loads(pickle.dumps(reply, protocol=5))  # as over the socket
+                fut.set_result(value) if ok else fut.set_exception(value)
+
+        args = ("lstm", "", self.generation, payload)
+        (self.server._submit if method == "submit" else self.server._submit_many)(Conn, 0, args)
+        return fut
+
+    def one(self, prepared: Prepared) -> asyncio.Future:
+        self.messages.append(1)
+        return self._call("submit", prepared)
+
+    def many(self, prepared: list[Prepared]) -> asyncio.Future:
+        self.messages.append(len(prepared))
+        return self._call("submit_many", prepared)
+
+
+async def test_stream_chunks_travel_together_and_each_answers_on_its_own(dataplane):
+    from service.dataplane.coalesce import ChunkLane
+    from service.dataplane.validation import StreamRequest
+    from service.errors import NotFound
+
+    rng = np.random.default_rng(7)
+    whole = {s: rng.standard_normal((1, 9, 4)).astype(np.float32) for s in ("a", "b")}
+    side = ServerSide(dataplane)
+    lane = ChunkLane(side.one, side.many)
+
+    def chunk(stream: str, lo: int, hi: int, start: bool, end: bool = False) -> asyncio.Future:
+        x = whole[stream][:, lo:hi] if stream in whole else np.zeros((1, 2, 4), np.float32)
+        work = SequenceWork(x, np.array([hi - lo]), outputs=frozenset({"output", "h_n", "c_n"}))
+        return lane.submit(Prepared(work, None, StreamRequest(stream, start, end)))
+
+    # one loop iteration: a's first two chunks (in order), b's first, and a chunk of a stream never started
+    first = [chunk("a", 0, 3, True), chunk("b", 0, 5, True), chunk("a", 3, 7, False), chunk("zz", 0, 2, False)]
+    got = await asyncio.gather(*first, return_exceptions=True)
+    assert side.messages == [4]
+    assert isinstance(got[3], NotFound) and "zz" in str(got[3])
+    rest = await asyncio.gather(chunk("a", 7, 9, False, True), chunk("b", 5, 9, False, True))
+    engine = create_engine(make_model(*LSTM, seed=5), "cpu")
+    for stream, parts in (("a", [got[0], got[2], rest[0]]), ("b", [got[1], rest[1]])):
+        want = engine.forward(whole[stream])
+        np.testing.assert_allclose(np.concatenate([p["output"] for p in parts], axis=1), want.output,
+                                   rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(parts[-1]["h_n"], want.h_n, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(parts[-1]["c_n"], want.c_n, rtol=1e-6, atol=1e-6)
+    assert _metric(dataplane, "rnnserve_requests_total", model="lstm", outcome="success") == 5
+    assert _metric(dataplane, "rnnserve_requests_total", model="lstm", outcome="not_found") == 1
+
+
+async def test_a_lone_chunk_leaves_alone_and_a_cancelled_chunk_is_not_sent(dataplane):
+    from service.dataplane.coalesce import ChunkLane
+    from service.dataplane.validation import StreamRequest
+
+    side = ServerSide(dataplane)
+    lane = ChunkLane(side.one, side.many)
+    x = np.ones((1, 3, 4), np.float32)
+
+    def chunk(stream: str) -> asyncio.Future:
+        work = SequenceWork(x, np.array([3]), outputs=frozenset({"output_last"}))
+        return lane.submit(Prepared(work, None, StreamRequest(stream, True, True)))
+
+    assert "output_last" in await chunk("solo")
+    futures = [chunk("s1"), chunk("s2"), chunk("s3")]
+    futures[1].cancel()
+    outcomes = await asyncio.gather(*futures, return_exceptions=True)
+    assert side.messages == [1, 2]
+    assert isinstance(outcomes[1], asyncio.CancelledError) and "output_last" in outcomes[2]
