@@ -14,6 +14,7 @@ from service.scheduler.rowcopy import copy_sequences
     (2, 9, 6, 6, 4),      # client padding past the batch's longest valid length
     (4, 9, 9, 3, 0),
     (1, 1, 1, 1, 5),
+    (7, 5, 11, 5, 3),     # many rows of a merged message: one NumPy copy
 ])
 def test_copy_sequences_matches_numpy(b: int, ts: int, t: int, steps: int, row: int) -> None:
     rng = np.random.default_rng(b * 100 + ts)

@@ -309,14 +309,16 @@ def plan(table: AlgoTable, batch: int, steps: int, lengths: np.ndarray, pad_ok: 
         algos = table.algos_for(batch, steps)
         padded_cost = sum(table.cost_ms(k, a, batch, steps) for k, a in enumerate(algos))
         options.append((padded_cost, [Group(None, batch, steps, algos, True, table.seq_major_for(batch))]))
-    values, inverse = np.unique(lengths, return_inverse=True)
     if table.forced is None:
         # At least one group per distinct length, none cheaper than the cheapest line of any bucket: when
         # even that bound loses, building the groups (Python work per group on every ragged call) is skipped.
-        bound = (table.min_step_ms * float(values.sum())
-                 + (table.min_fixed_ms + GROUP_OVERHEAD_MS) * values.size)
-        if values.size > MAX_GROUPS or bound >= min(cost for cost, _ in options):
+        # (A set of a few dozen ints, not np.unique: this runs for every ragged batch.)
+        distinct = set(lengths.tolist())
+        bound = (table.min_step_ms * float(sum(distinct))
+                 + (table.min_fixed_ms + GROUP_OVERHEAD_MS) * len(distinct))
+        if len(distinct) > MAX_GROUPS or bound >= min(cost for cost, _ in options):
             return min(options, key=lambda o: o[0])[1]
+    values, inverse = np.unique(lengths, return_inverse=True)
     groups: list[Group] = []
     cost = 0.0
     for i, length in enumerate(values):
