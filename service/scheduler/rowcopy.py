@@ -14,6 +14,7 @@ On this 2-core VM, next to a thread spinning in Python: 3 µs per row copy this 
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import numpy as np
 
@@ -41,10 +42,11 @@ def copy_sequences(dst: np.ndarray, row: int, src: np.ndarray, steps: int) -> No
     if nbytes == dst_stride == src_stride:  # whole rows on both sides: one copy
         _memmove_holding_gil(dst_ptr, src_ptr, b * nbytes)
         return
-    if b > ROWS_PER_CALL:
-        # many rows (a front-end's merged message): one NumPy call loops over them in C; it may let go of
-        # the GIL once, where a call per row cost a Python iteration and a ctypes call each (a tenth of the
-        # engine process's thread under binary-HTTP load, H100 host)
+    if b > ROWS_PER_CALL and threading.current_thread() is threading.main_thread():
+        # many rows (a front-end's merged message) on the event loop's own thread, which a GIL release does
+        # not make wait (a batch launched from the loop, a front-end's lane): one NumPy call loops over them
+        # in C, where a call per row cost a Python iteration and a ctypes call each (a tenth of the engine
+        # process's thread under binary-HTTP load, H100 host)
         dst[row:row + b, :steps] = src[:, :steps]
         return
     for i in range(b):

@@ -36,3 +36,16 @@ def test_copy_sequences_falls_back_to_numpy(src: np.ndarray) -> None:
     want[1:3, :4] = src[:, :4]
     copy_sequences(dst, 1, src, 4)
     np.testing.assert_array_equal(dst, want)
+
+
+def test_many_rows_copy_the_same_on_a_worker_thread() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(9)
+    src = rng.standard_normal((7, 5, 3)).astype(np.float32)
+    dst = np.zeros((9, 8, 3), np.float32)
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(copy_sequences, dst, 1, src, 5).result()
+    want = np.zeros_like(dst)
+    want[1:8, :5] = src
+    np.testing.assert_array_equal(dst, want)
