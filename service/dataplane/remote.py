@@ -8,7 +8,8 @@ runs the one real :class:`~service.dataplane.DataPlane` (engines, batching, stre
 metrics). Requests from every front-end batch together, and a stream's state lives in
 the engine process whichever front-end its chunks arrive at.
 
-Front-ends validate and answer requests themselves: each fetches a model's
+Front-ends validate and answer requests themselves (and send the requests that wait in
+them together: :mod:`.coalesce`): each fetches a model's
 :class:`~.view.ModelView` once, turns a request into :class:`~.view.Prepared` work
 and sends only that (``submit``); the engine process queues it and answers from the
 future's done-callback, with no task per request, and the front-end builds the
@@ -19,7 +20,7 @@ the rest. A request that fails validation in a front-end is sent whole (``infer`
 so the engine process counts it and answers with the same error.
 
 Wire format on a Unix socket: 8-byte little-endian length + pickle (protocol 5) of
-``(id, method, args)``; replies are ``(id, ok, value)`` where a failed call carries the
+``(id, method, args)`` (``submit_many``: several works, answered by one list of ``(ok, value)``); replies are ``(id, ok, value)`` where a failed call carries the
 exception (rnnserve errors keep their status). Pickle is safe here: both ends are
 processes of this server, on a socket in a private temporary folder.
 """

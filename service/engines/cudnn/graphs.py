@@ -19,7 +19,9 @@ which is later in stream order than anything the caller queued after this call (
 engine copies it when the caller keeps device outputs).
 
 Only equal-length calls are captured (cuDNN reads ragged lengths from the host
-descriptor at launch). A shape is captured on its ``MIN_USES``-th call, so one-off
+descriptor at launch); a ragged batch that runs padded, and calls of nearby sizes, share
+graphs of bucketed shapes (:mod:`.shape_buckets`), filling the first rows and steps of a
+graph's buffers. A shape is captured on its ``MIN_USES``-th call, so one-off
 shapes never pay the capture; graphs past the memory budget are dropped least recently
 used first, and captures are rate-limited, and stop while the graphs so far are seldom
 replayed, so that traffic whose shapes never settle (single ragged requests of every
