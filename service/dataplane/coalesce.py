@@ -42,23 +42,23 @@ class _Entry:
     future: asyncio.Future
 
 
-class Lane:
-    """The coalescing queue of one model version in one front-end process.
+class _Coalescing:
+    """What both lanes share: requests wait while :data:`MAX_IN_FLIGHT` messages are out, the ones that
+    waited leave together, and a message's outcome goes back to each of its requests.
 
-    ``send(prepared)`` hands a Prepared to the engine process and returns the future of
-    its outputs. An error of merged work (StaleModelView included) fails each of its
-    requests with it, as it would have failed each alone.
+    A subclass picks a message's requests (``_take``), sends them (``_send_group``, returning the
+    message's future and what ``_outcomes`` needs to answer them) and splits the answer
+    (``_outcomes``: an (ok, value) per request). A failed or cancelled message fails or cancels
+    each of its requests, as it would have each alone.
     """
 
-    def __init__(self, view: ModelView, send: Callable[[Prepared], asyncio.Future]) -> None:
-        self.view = view
-        self._send = send
+    def __init__(self) -> None:
         self._waiting: list[_Entry] = []
         self._in_flight = 0
         self._scheduled = False
 
     def submit(self, prepared: Prepared) -> asyncio.Future:
-        """Queue one validated request; the future gets its outputs by name (or the error)."""
+        """Queue one validated request; the future gets its outputs by name (or its error)."""
         loop = asyncio.get_running_loop()
         entry = _Entry(prepared, loop.create_future())
         self._waiting.append(entry)
@@ -73,15 +73,48 @@ class Lane:
             group = self._take()
             if not group:
                 continue
-            if len(group) == 1:
-                prepared, batch = group[0].prepared, None
-            else:
-                batch = merge([e.prepared.work for e in group])
-                outputs = frozenset().union(*(e.prepared.work.outputs for e in group))
-                work = SequenceWork(batch.x, batch.lengths, batch.h0, batch.c0, outputs)
-                prepared = Prepared(work, None, None, len(group))
             self._in_flight += 1
-            self._send(prepared).add_done_callback(lambda fut, g=group, b=batch: self._answer(g, b, fut))
+            fut, context = self._send_group(group)
+            fut.add_done_callback(lambda f, g=group, c=context: self._answer(g, c, f))
+
+    def _take(self) -> list[_Entry]:
+        raise NotImplementedError
+
+    def _send_group(self, group: list[_Entry]) -> tuple[asyncio.Future, Any]:
+        raise NotImplementedError
+
+    def _outcomes(self, group: list[_Entry], context: Any, value: Any) -> list[tuple[bool, Any]]:
+        raise NotImplementedError
+
+    def _answer(self, group: list[_Entry], context: Any, fut: asyncio.Future) -> None:
+        self._in_flight -= 1
+        if self._waiting and not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+        if fut.cancelled():
+            for entry in group:
+                entry.future.cancel()
+            return
+        exc = fut.exception()
+        outcomes = [(False, exc)] * len(group) if exc is not None else self._outcomes(group, context, fut.result())
+        for entry, (ok, value) in zip(group, outcomes):
+            if not entry.future.done():
+                entry.future.set_result(value) if ok else entry.future.set_exception(value)
+
+
+class Lane(_Coalescing):
+    """The coalescing queue of one model version in one front-end process.
+
+    ``send(prepared)`` hands a Prepared to the engine process and returns the future of
+    its outputs. The requests of a message are merged into one Prepared (``requests`` =
+    how many) and their answers split back; an error of merged work (StaleModelView
+    included) fails each of its requests with it.
+    """
+
+    def __init__(self, view: ModelView, send: Callable[[Prepared], asyncio.Future]) -> None:
+        super().__init__()
+        self.view = view
+        self._send = send
 
     def _take(self) -> list[_Entry]:
         """The oldest waiting requests that fit in one batch of the model (at least one)."""
@@ -94,34 +127,23 @@ class Lane:
         group, self._waiting = self._waiting[:n], self._waiting[n:]
         return [e for e in group if not e.future.done()]  # a cancelled request is not sent
 
-    def _answer(self, group: list[_Entry], batch: Any, fut: asyncio.Future) -> None:
-        self._in_flight -= 1
-        if self._waiting and not self._scheduled:
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
-        if fut.cancelled():
-            for entry in group:
-                entry.future.cancel()
-            return
-        exc = fut.exception()
-        if exc is not None:
-            for entry in group:
-                if not entry.future.done():
-                    entry.future.set_exception(exc)
-            return
-        results = fut.result()
+    def _send_group(self, group: list[_Entry]) -> tuple[asyncio.Future, Any]:
+        if len(group) == 1:
+            return self._send(group[0].prepared), None
+        batch = merge([e.prepared.work for e in group])
+        outputs = frozenset().union(*(e.prepared.work.outputs for e in group))
+        work = SequenceWork(batch.x, batch.lengths, batch.h0, batch.c0, outputs)
+        return self._send(Prepared(work, None, None, len(group))), batch
+
+    def _outcomes(self, group: list[_Entry], batch: Any, results: Any) -> list[tuple[bool, Any]]:
         if batch is None:
-            if not group[0].future.done():
-                group[0].future.set_result(results)
-            return
+            return [(True, results)]
         parts = [e.prepared.work for e in group]
-        for entry, part in zip(group, split(None, batch, results.get("output"), results.get("h_n"),
-                                            results.get("c_n"), parts, results.get("output_last"))):
-            if not entry.future.done():
-                entry.future.set_result(part)
+        return [(True, part) for part in split(None, batch, results.get("output"), results.get("h_n"),
+                                               results.get("c_n"), parts, results.get("output_last"))]
 
 
-class ChunkLane:
+class ChunkLane(_Coalescing):
     """Stream chunks of one model version in one front-end process, sent to the engine process together.
 
     A stream chunk cannot merge with others into one batch input (each has its own stream
@@ -137,48 +159,18 @@ class ChunkLane:
 
     def __init__(self, send_one: Callable[[Prepared], asyncio.Future],
                  send_many: Callable[[list[Prepared]], asyncio.Future]) -> None:
+        super().__init__()
         self._send_one = send_one
         self._send_many = send_many
-        self._waiting: list[_Entry] = []
-        self._in_flight = 0
-        self._scheduled = False
 
-    def submit(self, prepared: Prepared) -> asyncio.Future:
-        """Queue one validated chunk; the future gets its outputs by name (or its error)."""
-        loop = asyncio.get_running_loop()
-        entry = _Entry(prepared, loop.create_future())
-        self._waiting.append(entry)
-        if not self._scheduled and self._in_flight < MAX_IN_FLIGHT:
-            self._scheduled = True
-            loop.call_soon(self._flush)
-        return entry.future
+    def _take(self) -> list[_Entry]:
+        group, self._waiting = self._waiting[:MAX_CHUNKS], self._waiting[MAX_CHUNKS:]
+        return [e for e in group if not e.future.done()]  # a cancelled chunk is not sent
 
-    def _flush(self) -> None:
-        self._scheduled = False
-        while self._waiting and self._in_flight < MAX_IN_FLIGHT:
-            group, self._waiting = self._waiting[:MAX_CHUNKS], self._waiting[MAX_CHUNKS:]
-            group = [e for e in group if not e.future.done()]  # a cancelled chunk is not sent
-            if not group:
-                continue
-            self._in_flight += 1
-            if len(group) == 1:
-                fut = self._send_one(group[0].prepared)
-            else:
-                fut = self._send_many([e.prepared for e in group])
-            fut.add_done_callback(lambda f, g=group: self._answer(g, f))
+    def _send_group(self, group: list[_Entry]) -> tuple[asyncio.Future, Any]:
+        if len(group) == 1:
+            return self._send_one(group[0].prepared), None
+        return self._send_many([e.prepared for e in group]), None
 
-    def _answer(self, group: list[_Entry], fut: asyncio.Future) -> None:
-        self._in_flight -= 1
-        if self._waiting and not self._scheduled:
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
-        if fut.cancelled():
-            for entry in group:
-                entry.future.cancel()
-            return
-        exc = fut.exception()
-        outcomes = [(False, exc)] * len(group) if exc is not None else (
-            [(True, fut.result())] if len(group) == 1 else fut.result())
-        for entry, (ok, value) in zip(group, outcomes):
-            if not entry.future.done():
-                entry.future.set_result(value) if ok else entry.future.set_exception(value)
+    def _outcomes(self, group: list[_Entry], context: Any, value: Any) -> list[tuple[bool, Any]]:
+        return [(True, value)] if len(group) == 1 else value
