@@ -5,7 +5,8 @@
 #   usage (device tool, carry .gpu-wheels):  bash bench/gpu_run.sh [tests|serve|engine|profile|cprofile|stalls|all]
 # profile: py-spy samples (per thread) of the engine process of `rnnserve serve --frontends 6` under
 # binary-HTTP and gRPC load at concurrency 64 and under 256 paced streams (py-spy wheel in .gpu-wheels): all
-# threads, then only the thread holding the GIL (--gil). PROTOS picks the loads (default: all three).
+# threads, then only the thread holding the GIL (--gil). PROTOS picks the loads (default: all three);
+# SPY_NATIVE=1 adds C frames (CPython, uvloop, CuPy, the CUDA driver) to the all-threads profile.
 # cprofile: the engine process of `rnnserve serve --frontends 6` under cProfile (its event-loop thread) through
 # binary-HTTP load at concurrency 64 on the batching and the non-batching model and 256 paced streams, then
 # bench/engine_process.py (the engine process's cost per request with a stand-in engine, as on the CPU VM).
@@ -59,7 +60,7 @@ if [ "$what" = profile ]; then
     lpid=$!
     sleep 3
     { echo "== $proto"; top -b -n 1 -w 200 | head -30; } >> "$OUT/top.log"
-    $spy record -p $spid -d 3 -r 500 -t -f raw -o "$OUT/engine_$proto.txt" --nonblocking >> "$OUT/profile_load.log" 2>&1
+    $spy record -p $spid -d 3 -r 500 -t ${SPY_NATIVE:+--native} -f raw -o "$OUT/engine_$proto.txt" --nonblocking >> "$OUT/profile_load.log" 2>&1
     # --gil: only the thread holding the GIL, i.e. where the engine process's one Python core goes
     $spy record -p $spid -d 3 -r 500 -t --gil -f raw -o "$OUT/engine_gil_$proto.txt" --nonblocking >> "$OUT/profile_load.log" 2>&1
     wait $lpid
