@@ -60,7 +60,11 @@ if [ "$what" = profile ]; then
     lpid=$!
     sleep 3
     { echo "== $proto"; top -b -n 1 -w 200 | head -30; } >> "$OUT/top.log"
-    $spy record -p $spid -d 3 -r 500 -t ${SPY_NATIVE:+--native} -f raw -o "$OUT/engine_$proto.txt" --nonblocking >> "$OUT/profile_load.log" 2>&1
+    if [ -n "${SPY_NATIVE:-}" ]; then  # native frames need the process paused per sample: fewer samples
+      $spy record -p $spid -d 3 -r 100 -t --native -f raw -o "$OUT/engine_$proto.txt" >> "$OUT/profile_load.log" 2>&1
+    else
+      $spy record -p $spid -d 3 -r 500 -t -f raw -o "$OUT/engine_$proto.txt" --nonblocking >> "$OUT/profile_load.log" 2>&1
+    fi
     # --gil: only the thread holding the GIL, i.e. where the engine process's one Python core goes
     $spy record -p $spid -d 3 -r 500 -t --gil -f raw -o "$OUT/engine_gil_$proto.txt" --nonblocking >> "$OUT/profile_load.log" 2>&1
     wait $lpid
