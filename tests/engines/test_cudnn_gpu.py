@@ -725,3 +725,41 @@ def test_no_persist_dynamic_build_while_serving(layout):
         assert not any(r.builds_allowed for r in auto._runners)
     finally:
         auto.close()
+
+
+@gpu
+def test_batches_merged_into_lent_pinned_memory_stay_right_with_several_in_flight():
+    """The scheduler's path on the GPU: requests merged into the engine's lent pinned blocks
+    (input_buffer), three batches launched before the first is collected, blocks reused as
+    batches finish; every request's answer equals the float64 reference of that request alone."""
+    from service.scheduler import SequenceWork
+    from service.scheduler.batching import finish_batch, launch_batch, output_last
+
+    model = model_from_torch(make_torch("lstm", 6, 20, 2, False, seed=31), max_batch_size=16)
+    eng = CudnnEngine(model, blocking_sync=True)
+    rng = np.random.default_rng(5)
+    try:
+        assert eng.input_buffer((2, 3, 6)) is not None
+        in_flight = []
+        for batch in range(12):
+            parts = []
+            for _ in range(int(rng.integers(2, 6))):
+                lengths = rng.integers(3, 30, int(rng.integers(1, 4)))
+                x = rand((len(lengths), int(lengths.max()) + 2, 6), seed=1000 * batch + len(parts))
+                parts.append(SequenceWork(x, lengths, outputs=frozenset({"output_last", "output"})))
+            merged, launched = launch_batch(eng, parts)
+            assert eng._staging.blocks.owner(merged.x) is not None  # built in a lent block
+            in_flight.append((merged, launched, parts))
+            if len(in_flight) == 3:
+                merged, launched, parts = in_flight.pop(0)
+                launched.wait()
+                for part, got in zip(parts, finish_batch(eng, merged, launched, parts)):
+                    want = reference_run(model, part.x, part.lengths)
+                    check(got["output"], want.output, what="output")
+                    check(got["output_last"], output_last(model.spec, want.output, part.lengths), what="last")
+        for merged, launched, parts in in_flight:
+            launched.wait()
+            finish_batch(eng, merged, launched, parts)
+        assert len(eng._staging.blocks) <= 8  # blocks were reused, not one per batch
+    finally:
+        eng.close()
