@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from . import library as L
+from .block import AlgorithmRejected
 from .copies import swap01
 
 log = logging.getLogger("rnnserve.engines.cudnn.graphs")
@@ -252,7 +253,8 @@ class GraphRuns:
 
             enqueue()  # uncaptured first: descriptors, plans and kernels exist before the capture
             graph = capture(cp, stream, enqueue)
-        except (*capture_errors(cp), ValueError) as exc:
+        except (*capture_errors(cp), ValueError, AlgorithmRejected) as exc:  # e.g. PERSIST_DYNAMIC not built
+            # for this batch size: the caller runs the call uncaptured, where it falls back to STANDARD
             log.warning("CUDA graph capture of n=%d t=%d failed (%s: %s); this shape runs uncaptured",
                         n, t, type(exc).__name__, exc)
             self._failed.add(key)
