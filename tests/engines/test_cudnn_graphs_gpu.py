@@ -214,3 +214,27 @@ def test_equal_length_calls_with_states_replay_graphs_at_their_bucket_rows():
     finally:
         graphed.close()
         plain.close()
+
+
+@gpu
+def test_a_capture_with_an_algorithm_the_runner_rejects_runs_uncaptured():
+    """PERSIST_DYNAMIC is built at load for the batch buckets only; a graph asked for another batch size
+    with it gives up capturing (the caller then runs the call itself, falling back to STANDARD)."""
+    import cupy as cp
+
+    from service.engines.cudnn import library as L
+
+    model = model_from_torch(make_torch("lstm", 5, 32, 1, False, seed=3), max_batch_size=8)
+    eng = CudnnEngine(model)
+    try:
+        n, t = 3, 9
+        x = cp.asarray(rand((n, t, 5)))
+        lens_key, lens_host, lens_dev = eng._uniform(n, t)
+        hys, cys = eng._new_states(n)[2:]
+        for _ in range(MIN_USES + 1):
+            assert eng._graphs.run(x, n, t, lens_key, lens_host, lens_dev, None, (L.ALGO_PERSIST_DYNAMIC,),
+                                   False, hys, cys) is None
+        assert eng.describe()["cuda_graphs"]["failed_shapes"] == 1
+        check_all(eng.forward(rand((n, t, 5), seed=1)), reference_run(model, rand((n, t, 5), seed=1)))
+    finally:
+        eng.close()
