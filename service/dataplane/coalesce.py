@@ -21,6 +21,7 @@ separate requests in the engine process (:class:`ChunkLane`).
 from __future__ import annotations
 
 import asyncio
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -42,7 +43,7 @@ class _Entry:
     future: asyncio.Future
 
 
-class _Coalescing:
+class _Coalescing(ABC):
     """What both lanes share: requests wait while :data:`MAX_IN_FLIGHT` messages are out, the ones that
     waited leave together, and a message's outcome goes back to each of its requests.
 
@@ -77,14 +78,17 @@ class _Coalescing:
             fut, context = self._send_group(group)
             fut.add_done_callback(lambda f, g=group, c=context: self._answer(g, c, f))
 
+    @abstractmethod
     def _take(self) -> list[_Entry]:
-        raise NotImplementedError
+        """Remove and return the next message's requests (the cancelled ones left out)."""
 
+    @abstractmethod
     def _send_group(self, group: list[_Entry]) -> tuple[asyncio.Future, Any]:
-        raise NotImplementedError
+        """Send one message; its future, and what :meth:`_outcomes` needs to answer its requests."""
 
+    @abstractmethod
     def _outcomes(self, group: list[_Entry], context: Any, value: Any) -> list[tuple[bool, Any]]:
-        raise NotImplementedError
+        """(ok, value) per request of a message from its answer ``value``."""
 
     def _answer(self, group: list[_Entry], context: Any, fut: asyncio.Future) -> None:
         self._in_flight -= 1
