@@ -238,3 +238,10 @@ def last_steps(cp: Any, y: Any, lens_dev: Any, forward_cols: int) -> Any:
                                  (y, lens_dev, out, np.int64(n), np.int64(f), np.int64(forward_cols),
                                   np.int64(y.strides[1] // item), np.int64(y.strides[0] // item)))
     return out
+
+
+def seq_major(cp: Any, a: Any) -> Any:
+    """A batch-first state [n, rows, W] (NumPy or CuPy) as a C-contiguous sequence-major [rows, n, W] device array."""
+    a = cp.asarray(a)
+    view = a.transpose(1, 0, 2)
+    return view if view.flags.c_contiguous else swap01(cp, a)

@@ -31,9 +31,9 @@ from . import library as L
 from .autotune import LONG_FACTOR, AlgoTable, BucketChoice, Group, Trial, batch_buckets, choose, plan
 from .block import AlgorithmRejected
 from .block_states import block_views, new_states, read_slots, write_slots
-from .copies import last_steps, swap01
+from .copies import last_steps, seq_major, swap01
 from .graphs import SETUP_LOCK, GraphRuns
-from .shape_buckets import graph_rows, graph_shape
+from .shape_buckets import GraphShapes
 from .transfer import download_results
 from .warmup import warm_paths
 
@@ -123,9 +123,7 @@ class CudnnEngine(Engine):
         self._uniform_c = self.spec.cell_state_size is not None
         self._uniform_lengths: dict[tuple[int, int], tuple[tuple, np.ndarray, Any]] = {}
         self._plans: dict[tuple[int, int], list[Group]] = {}
-        self._graph_shapes: dict[tuple[int, int], tuple[int, int]] = {}
-        self._graph_rows: dict[tuple[int, int], int] = {}
-        self._bucket_graphs = bool(bucket_graphs) and autotune  # untuned: no timings to weigh padding with
+        self._shapes = GraphShapes(None, False)  # until tuned (see below)
         SETUP_LOCK.acquire()  # see graphs.SETUP_LOCK; released once the engine is built or has failed
         try:
             self._ctx = DeviceContext(self._lib, int(device_id))
@@ -152,6 +150,8 @@ class CudnnEngine(Engine):
                     runner.builds_allowed = self._forced == L.ALGO_PERSIST_DYNAMIC
                 if budget > 0:  # after tuning and warm-up, whose calls are not uses of a shape
                     self._graphs = GraphRuns(cp, self._ctx, self._runners, self._prec.store, budget << 20)
+                # untuned or forced: no timings to weigh padding with, or shapes a test wants exact
+                self._shapes = GraphShapes(self._table, bucket_graphs and autotune and self._forced is None)
         except L.CudnnError as exc:
             self.close()
             raise EngineUnavailable(f"cuDNN cannot run model '{model.name or '?'}': {exc}") from exc
@@ -363,7 +363,8 @@ class CudnnEngine(Engine):
         # padding after a sequence cannot change it, but makes its final state invalid
         pad_ok = self.spec.causal and not states_needed and pooled is None
         index = None if pooled is None else pooled.index.ravel()
-        x_d, h0_d, c0_d, lens_d, index_d = self._inputs(x, h0, c0, lens, t, index)
+        x_d, h0_d, c0_d, lens_d, index_d = self._staging.upload_inputs(self._conv, x, h0, c0, lens, t,
+                                                                       self._ctx.stream, index)
         states = block_views(self.spec, h0_d, c0_d)
         if pooled is not None:
             pooled.pool.reserve()
@@ -395,10 +396,10 @@ class CudnnEngine(Engine):
             check_block_states(self.spec, states, b)
         cp, conv = self._cp, self._conv
         with self._lock, self._ctx.device, self._ctx.stream:
-            x_d, _, _, lens_d, _ = self._inputs(x, None, None, lens, t)
+            x_d, _, _, lens_d, _ = self._staging.upload_inputs(conv, x, None, None, lens, t, self._ctx.stream)
             views = None
             if states is not None:
-                views = [tuple(None if a is None else conv.to_store(self._seq_major(a)) for a in st) for st in states]
+                views = [tuple(None if a is None else conv.to_store(seq_major(cp, a)) for a in st) for st in states]
             y, _, _, hys, cys = self._run(x_d, b, t, lens, lengths is None, views, ragged_lens=lens_d)
             finals = [tuple(None if a is None else swap01(cp, conv.from_store(a, out_dtype)) for a in st)
                       for st in zip(hys, cys)]
@@ -420,13 +421,6 @@ class CudnnEngine(Engine):
         out_dtype = np.dtype(np.float16 if self.precision == "float16" and x.dtype == np.float16 else np.float32)
         return x, b, t, lens, out_dtype
 
-    def _seq_major(self, a):
-        """A batch-first state [n, rows, W] as a C-contiguous sequence-major [rows, n, W] device array."""
-        cp = self._cp
-        a = cp.asarray(a)
-        view = a.transpose(1, 0, 2)
-        return view if view.flags.c_contiguous else swap01(cp, a)
-
     def _new_states(self, n):
         """Output states for ``n`` sequences (see :func:`.block_states.new_states`)."""
         return new_states(self._cp, self.spec, self._prec.store, n, self._uniform_h, self._uniform_c)
@@ -446,20 +440,19 @@ class CudnnEngine(Engine):
             groups = plan(self._table, b, t, lens, pad_ok)
             if uniform_lengths and len(self._plans) < 1024:
                 self._plans[key] = groups
-        if (states is None and self._graphs is not None and self._bucket_graphs and len(groups) == 1
-                and groups[0].rows is None
-                and groups[0].uniform and int(lens.min()) < t):  # a padded run (see the docstring)
-            y = self._padded_graph(x_d, b, t)
-            if y is not None:
-                if not zero_padding:
-                    return y, None, None, None, None
-                y = y[:, :t]
+        g = groups[0] if len(groups) == 1 and groups[0].rows is None else None
+        if g is not None and g.uniform and int(lens.min()) < t:  # a padded run: see the docstring
+            lens_key, lens_host, lens_dev = self._uniform(b, t)
+            shape = self._shapes.padded(b, t) if states is None else None
+            y, _, _ = self._run_blocks(x_d, b, t, lens_key, lens_host, lens_dev, states, g.algos, g.seq_major,
+                                       graph_shape=shape, finals=False)
+            if zero_padding:
+                y = y[:, :t]  # a graph of a bucketed shape ran more steps
                 dev_lens = ragged_lens if ragged_lens is not None else cp.asarray(lens.astype(np.int32))
                 y *= (cp.arange(t, dtype=cp.int32)[None, :] < dev_lens[:, None])[:, :, None]
-                return y, None, None, None, None
+            return y, None, None, None, None
         hy, cy, hys, cys = self._new_states(b)
-        if len(groups) == 1 and groups[0].rows is None:
-            g = groups[0]
+        if g is not None:
             if g.uniform:
                 lens_key, lens_host, lens_dev = self._uniform(b, t)
             else:
@@ -468,47 +461,10 @@ class CudnnEngine(Engine):
                 lens_dev = ragged_lens if ragged_lens is not None else cp.asarray(lens_host)
             y, _, _ = self._run_blocks(x_d, b, t, lens_key, lens_host, lens_dev, states, g.algos, g.seq_major,
                                        (hys, cys))
-            if g.uniform and int(lens.min()) < t:  # a padded run: see the docstring
-                if not zero_padding:
-                    return y, None, None, None, None
-                dev_lens = ragged_lens if ragged_lens is not None else cp.asarray(lens.astype(np.int32))
-                keep = cp.arange(t, dtype=cp.int32)[None, :] < dev_lens[:, None]
-                y *= keep[:, :, None]
-                return y, None, None, None, None
         else:
             y = self._run_groups(groups, x_d, b, t, states, hys, cys)
         return y, hy, cy, hys, cys
 
-
-    def _padded_graph(self, x_d, b: int, t: int):
-        """A padded call replayed as a CUDA graph of a bucketed shape (see :mod:`.shape_buckets`), or None.
-
-        Returns the first ``b`` rows of the graph's output, [b, T, F] with T >= ``t`` (steps past
-        ``t`` are not the caller's); None when the shape is not bucketed or has no graph yet.
-        """
-        shape = self._graph_shapes.get((b, t))
-        if shape is None:
-            if len(self._graph_shapes) > 65536:
-                self._graph_shapes.clear()
-            shape = self._graph_shapes[(b, t)] = graph_shape(self._table, b, t)
-        n, steps = shape
-        if shape == (b, t):
-            return None
-        lens_key, lens_host, lens_dev = self._uniform(n, steps)
-        y = self._graphs.run(x_d, n, steps, lens_key, lens_host, lens_dev, None, self._table.algos_for(n, steps),
-                             self._table.seq_major_for(n), None, None)
-        return None if y is None else y[:b]
-
-    def _bucketed_rows(self, n: int, t: int) -> int:
-        """Rows an equal-length call of ``n`` rows replays its graph at (``n`` unless bucketing pays)."""
-        if not self._bucket_graphs or self._forced is not None:
-            return n
-        rows = self._graph_rows.get((n, t))
-        if rows is None:
-            if len(self._graph_rows) > 65536:
-                self._graph_rows.clear()
-            rows = self._graph_rows[(n, t)] = graph_rows(self._table, n, t)
-        return rows
 
     def _last(self, y, b, t, lens, lens_dev=None):
         """Each sequence's many-to-one output row [b, F] of ``y`` (storage dtype), on the device."""
@@ -525,36 +481,6 @@ class CudnnEngine(Engine):
             lens_dev = self._cp.asarray(lens.astype(np.int32))
         return last_steps(self._cp, y, lens_dev, forward_cols)
 
-    def _inputs(self, x, h0, c0, lens, t, index=None):
-        """x, h0, c0, (for a ragged batch) the int32 lengths and the int32 stream ``index`` on the device:
-        (x, h0, c0, lens or None, index or None).
-
-        Host inputs go up in one staged copy, the lengths and index with them (CuPy's asarray of a
-        small array cost more host time than the copy of x).
-        """
-        cp, conv = self._cp, self._conv
-        if isinstance(x, cp.ndarray):
-            states = [None if s is None else conv.to_store(self._seq_major(s)) for s in (h0, c0)]
-            return conv.to_store(x), states[0], states[1], None, None if index is None else cp.asarray(index)
-        ragged = int(lens.min()) < t
-        staged = [(x, conv.staging_dtype(x.dtype))]
-        for s in (h0, c0):
-            if s is not None:
-                s = s.get() if hasattr(s, "get") else np.asarray(s)
-                staged.append((s.transpose(1, 0, 2), conv.staging_dtype(s.dtype)))
-        if ragged:
-            staged.append((lens.astype(np.int32), np.dtype(np.int32)))
-        if index is not None:
-            staged.append((index, np.dtype(np.int32)))
-        dev = self._staging.upload(staged, self._ctx.stream)
-        index_d = dev.pop() if index is not None else None
-        lens_d = dev.pop() if ragged else None
-        dev = [conv.to_store(a) for a in dev]
-        x_d = dev.pop(0)
-        h0_d = dev.pop(0) if h0 is not None else None
-        c0_d = dev.pop(0) if c0 is not None else None
-        return x_d, h0_d, c0_d, lens_d, index_d
-
     def _uniform(self, n: int, t: int):
         hit = self._uniform_lengths.get((n, t))
         if hit is None:
@@ -564,26 +490,28 @@ class CudnnEngine(Engine):
             hit = self._uniform_lengths[(n, t)] = ((n, t, None), host, self._cp.asarray(host))
         return hit
 
-    def _run_blocks(self, x, n, t, lens_key, lens_host, lens_dev, states, algos, seq_major=False, out=None):
+    def _run_blocks(self, x, n, t, lens_key, lens_host, lens_dev, states, algos, seq_major=False, out=None,
+                    graph_shape=None, finals=True):
         """All blocks on one batch; returns (y [n,t,F], hys, cys) in storage dtype.
 
         ``states`` is None (zeros) or per block (h [rows, n, Ho] | None, c [rows, n, H] | None);
         ``out`` is (hys, cys), per-block buffers for the final states (allocated when None).
         With ``seq_major`` the blocks run on [t, n, F] buffers and y is a transposed view of one.
+        A CUDA graph replays the call where one exists, at ``graph_shape`` (a padded call's
+        bucketed shape) or at the bucket rows of an equal-length call (see :mod:`.shape_buckets`);
+        y then has at least ``t`` steps. ``finals`` False: nobody reads the final states (a padded
+        run), so a replay copies none out and they may come back None.
         """
         cp, store = self._cp, self._prec.store
-        hys, cys = out if out is not None else self._new_states(n)[2:]
+        hys, cys = out if out is not None else (None, None)
         if self._graphs is not None:
-            rows = self._bucketed_rows(n, t) if lens_key[-1] is None else n
-            if rows != n:  # an equal-length call at its bucket's rows (see shape_buckets)
-                lk, lh, ld = self._uniform(rows, t)
-                y = self._graphs.run(x, rows, t, lk, lh, ld, states, self._table.algos_for(rows, t), seq_major,
-                                     hys, cys)
-                if y is not None:
-                    return y[:n], hys, cys
-            y = self._graphs.run(x, n, t, lens_key, lens_host, lens_dev, states, algos, seq_major, hys, cys)
+            if finals and hys is None:
+                hys, cys = self._new_states(n)[2:]
+            y = self._replay(x, n, t, lens_key, lens_host, lens_dev, states, algos, seq_major, hys, cys, graph_shape)
             if y is not None:
                 return y, hys, cys
+        if hys is None:
+            hys, cys = self._new_states(n)[2:]
         inp = swap01(cp, x) if seq_major else x
         lens_ptr = lens_dev.data.ptr
         for k, (runner, algo) in enumerate(zip(self._runners, algos)):
@@ -605,6 +533,16 @@ class CudnnEngine(Engine):
                                hx_p, hy_p, cx_p, cy_p, seq_major)
             inp = y
         return (inp.transpose(1, 0, 2) if seq_major else inp), hys, cys
+
+    def _replay(self, x, n, t, lens_key, lens_host, lens_dev, states, algos, seq_major, hys, cys, shape):
+        """The call replayed as a CUDA graph (see :meth:`_run_blocks`), or None when the caller runs it."""
+        if shape is None:
+            shape = self._shapes.rows(n, t) if lens_key[-1] is None else (n, t)
+        if shape != (n, t):
+            lens_key, lens_host, lens_dev = self._uniform(*shape)
+            algos = self._table.algos_for(*shape)
+        y = self._graphs.run(x, shape[0], shape[1], lens_key, lens_host, lens_dev, states, algos, seq_major, hys, cys)
+        return y if y is None or shape[0] == n else y[:n]
 
     def _run_groups(self, groups: list[Group], x, b, t, states, hys, cys):
         """Equal-length groups (see autotune.plan), each gathered, run and scattered back into hys/cys."""

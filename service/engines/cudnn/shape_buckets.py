@@ -22,6 +22,8 @@ only: steps past a sequence's end would change its final state.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from .autotune import AlgoTable
 
 PAD_BUDGET_MS = 0.1
@@ -66,3 +68,40 @@ def graph_shape(table: AlgoTable, n: int, steps: int, budget_ms: float = PAD_BUD
             padded = candidate
             break
     return rows, padded
+
+
+class GraphShapes:
+    """One engine's shapes to replay graphs at, per call shape, computed once (see :func:`graph_rows`,
+    :func:`graph_shape`); every call keeps its own shape when ``enabled`` is False."""
+
+    LIMIT = 65536  # (rows, steps) pairs remembered; forgotten all at once past it
+
+    def __init__(self, table: AlgoTable | None, enabled: bool) -> None:
+        self.table = table
+        self.enabled = enabled
+        self._rows: dict[tuple[int, int], int] = {}
+        self._padded: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def rows(self, n: int, steps: int) -> tuple[int, int]:
+        """The shape of an equal-length call whose final states are read: more rows at most."""
+        if not self.enabled:
+            return n, steps
+        rows = self._rows.get((n, steps))
+        if rows is None:
+            rows = self._remember(self._rows, (n, steps), graph_rows(self.table, n, steps))
+        return rows, steps
+
+    def padded(self, n: int, steps: int) -> tuple[int, int]:
+        """The shape of a padded call (no final states read): more rows and steps at most."""
+        if not self.enabled:
+            return n, steps
+        shape = self._padded.get((n, steps))
+        if shape is None:
+            shape = self._remember(self._padded, (n, steps), graph_shape(self.table, n, steps))
+        return shape
+
+    def _remember(self, cache: dict, key: tuple[int, int], value: Any) -> Any:
+        if len(cache) >= self.LIMIT:
+            cache.clear()
+        cache[key] = value
+        return value

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..base import EngineOutput, Launched
+from .copies import seq_major
 
 _ALIGN = 256
 DIRECT_BYTES = 1 << 20
@@ -107,6 +108,37 @@ class HostStaging:
         out = dict(direct)
         out.update({i: v for (i, _, _), v in zip(staged, views)})
         return [out[i] for i in range(len(arrays))]
+
+    def upload_inputs(self, conv: "Converter", x: Any, h0: Any, c0: Any, lens: np.ndarray, t: int, stream: Any,
+                      index: np.ndarray | None = None) -> tuple:
+        """x, h0, c0, (for a ragged batch) the int32 lengths and the int32 stream ``index`` on the device, in
+        the engine's storage dtype, states sequence-major: (x, h0, c0, lens or None, index or None).
+
+        Host inputs go up in one staged copy, the lengths and index with them (CuPy's asarray of a
+        small array cost more host time than the copy of x); device inputs are used in place.
+        """
+        cp = self.cp
+        if isinstance(x, cp.ndarray):
+            states = [None if s is None else conv.to_store(seq_major(cp, s)) for s in (h0, c0)]
+            return conv.to_store(x), states[0], states[1], None, None if index is None else cp.asarray(index)
+        ragged = int(lens.min()) < t
+        staged = [(x, conv.staging_dtype(x.dtype))]
+        for s in (h0, c0):
+            if s is not None:
+                s = s.get() if hasattr(s, "get") else np.asarray(s)
+                staged.append((s.transpose(1, 0, 2), conv.staging_dtype(s.dtype)))
+        if ragged:
+            staged.append((lens.astype(np.int32), np.dtype(np.int32)))
+        if index is not None:
+            staged.append((index, np.dtype(np.int32)))
+        dev = self.upload(staged, stream)
+        index_d = dev.pop() if index is not None else None
+        lens_d = dev.pop() if ragged else None
+        dev = [conv.to_store(a) for a in dev]
+        x_d = dev.pop(0)
+        h0_d = dev.pop(0) if h0 is not None else None
+        c0_d = dev.pop(0) if c0 is not None else None
+        return x_d, h0_d, c0_d, lens_d, index_d
 
     def _stage(self, arrays: list[tuple[np.ndarray, np.dtype]], stream) -> list:
         cp = self.cp
