@@ -52,3 +52,14 @@ def test_the_estimated_extra_time_stays_within_the_budget():
 
             assert cost(rows, t) - cost(n, t) <= 0.05 + 1e-9 or rows == n
             assert cost(rows, steps) - cost(rows, t) <= 0.05 + 1e-9
+
+
+def test_graph_shapes_remember_each_shape_and_keep_them_exact_when_off():
+    from service.engines.cudnn.shape_buckets import GraphShapes
+
+    table = _table(ms_per_step=0.003, ms_per_row=0.001)
+    on, off = GraphShapes(table, True), GraphShapes(table, False)
+    assert on.padded(19, 150) == graph_shape(table, 19, 150) and on.padded(19, 150) is on.padded(19, 150)
+    assert on.rows(19, 10) == (32, 10)  # final states read: the steps stay
+    assert off.padded(19, 150) == (19, 150) and off.rows(19, 10) == (19, 10)
+    assert GraphShapes(None, False).padded(3, 4) == (3, 4)  # an engine before tuning
