@@ -22,7 +22,7 @@ only: steps past a sequence's end would change its final state.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Callable
 
 from .autotune import AlgoTable
 
@@ -79,29 +79,23 @@ class GraphShapes:
     def __init__(self, table: AlgoTable | None, enabled: bool) -> None:
         self.table = table
         self.enabled = enabled
-        self._rows: dict[tuple[int, int], int] = {}
+        self._rows: dict[tuple[int, int], tuple[int, int]] = {}
         self._padded: dict[tuple[int, int], tuple[int, int]] = {}
 
     def rows(self, n: int, steps: int) -> tuple[int, int]:
         """The shape of an equal-length call whose final states are read: more rows at most."""
-        if not self.enabled:
-            return n, steps
-        rows = self._rows.get((n, steps))
-        if rows is None:
-            rows = self._remember(self._rows, (n, steps), graph_rows(self.table, n, steps))
-        return rows, steps
+        return self._shape(self._rows, n, steps, lambda: (graph_rows(self.table, n, steps), steps))
 
     def padded(self, n: int, steps: int) -> tuple[int, int]:
         """The shape of a padded call (no final states read): more rows and steps at most."""
+        return self._shape(self._padded, n, steps, lambda: graph_shape(self.table, n, steps))
+
+    def _shape(self, cache: dict, n: int, steps: int, compute: Callable[[], tuple[int, int]]) -> tuple[int, int]:
         if not self.enabled:
             return n, steps
-        shape = self._padded.get((n, steps))
+        shape = cache.get((n, steps))
         if shape is None:
-            shape = self._remember(self._padded, (n, steps), graph_shape(self.table, n, steps))
+            if len(cache) >= self.LIMIT:
+                cache.clear()
+            shape = cache[(n, steps)] = compute()
         return shape
-
-    def _remember(self, cache: dict, key: tuple[int, int], value: Any) -> Any:
-        if len(cache) >= self.LIMIT:
-            cache.clear()
-        cache[key] = value
-        return value
