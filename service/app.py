@@ -179,7 +179,7 @@ async def serve(settings: ServeSettings, dataplane: DataPlane | None = None,
     # The batch worker thread gives up the GIL in every cuDNN launch, copy and wait, then waits up to
     # the switch interval for the event loop to hand it back, several times a batch (see the setting).
     sys.setswitchinterval(settings.gil_switch_interval_us / 1e6)
-    if settings.frontends > 1 and dataplane is None:
+    if (settings.frontends > 1 or settings.engines > 1) and dataplane is None:
         from .frontends import serve_with_frontends
 
         return await serve_with_frontends(settings, stop_event)

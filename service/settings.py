@@ -57,6 +57,14 @@ class ServeSettings(BaseSettings):
                     "that share the ports, validate requests and forward them to this one, which runs the engines, "
                     "batching and streams (one Python process serves ~2,000-4,000 requests/s).",
     )
+    engines: int = Field(
+        1, ge=1, le=16,
+        description="Engine processes (instances of every model, like Triton's instance_group count). N > 1 starts "
+                    "N processes that each load every model on the same device and batch on their own; front-ends "
+                    "send each request to the least busy one and every chunk of a stream to the same one (by "
+                    "sequence_id). Queue and stream limits apply per engine process. Implies front-end processes "
+                    "(at least one).",
+    )
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
         "auto", description="Event loop: uvloop (faster per request), asyncio (the standard loop) or auto (uvloop "
                             "when installed).",

@@ -1,0 +1,153 @@
+"""The DataPlane interface over several engine processes (``rnnserve serve --engines N``).
+
+One engine process runs every batch launch, merge and answer on one Python thread,
+which is the limit of a server whose GPU still has room (measured on H100 hosts: the
+engine process's main thread at 100 % with the GPU between batches). With ``--engines
+N`` every engine process loads every model on the same device and batches on its
+own, like Triton's ``instance_group`` count, and each front-end holds one
+:class:`~.remote.RemoteDataPlane` per engine process and routes through this class:
+
+- a request without ``sequence_id`` goes to the engine process with the fewest of this
+  front-end's requests in flight (ties: the next in turn), so a busy process gets less;
+- every chunk of a stream goes to the engine process its ``sequence_id`` hashes to
+  (CRC-32, the same in every front-end), where the stream's state lives; stream errors
+  (unknown, expired, second start) are therefore exactly those of one engine process;
+- load and unload go to every engine process; health, readiness and the repository
+  index combine theirs (ready when ready in all; a version not READY in one process is
+  shown with that process's state and reason); metadata comes from the first;
+- ``/metrics`` adds their expositions up (:mod:`service.metrics.merge`).
+
+Limits (``max_queue_size``, ``max_streams``) are each engine process's own.
+"""
+from __future__ import annotations
+
+import asyncio
+import zlib
+from typing import Any, Sequence
+
+from ..errors import InvalidInput
+from ..metrics.merge import merge_expositions
+from .remote import RemoteDataPlane
+from .types import InferRequest, InferResponse
+from .validation import stream_request
+
+
+class _ShardedMetrics:
+    """What the REST transport reads from ``dataplane.metrics``: every engine process's series, added up."""
+
+    content_type = "text/plain; version=0.0.4; charset=utf-8"
+
+    def __init__(self, shards: Sequence[RemoteDataPlane]) -> None:
+        self._shards = shards
+
+    def render(self) -> bytes:
+        return merge_expositions([shard.metrics.render() for shard in self._shards])
+
+
+def stream_shard(parameters: dict[str, Any], count: int) -> int | None:
+    """The engine process a stream chunk with these request parameters belongs to (None: not a stream chunk)."""
+    try:
+        stream = stream_request(parameters)
+    except InvalidInput:
+        return None  # any engine process answers the error the same way
+    if stream is None:
+        return None
+    return zlib.crc32(stream.key.encode()) % count
+
+
+def merge_indexes(indexes: Sequence[list[dict]]) -> list[dict]:
+    """One repository index from the engine processes' indexes (rows keyed by name and version)."""
+    rows: dict[tuple[str, str], dict] = {}
+    for k, index in enumerate(indexes):
+        for row in index:
+            key = (row["name"], row["version"])
+            seen = rows.get(key)
+            if seen is None:
+                rows[key] = dict(row)
+            elif seen["state"] == "READY" and row["state"] != "READY":
+                reason = f"engine process {k}: {row['reason']}" if row["reason"] else f"engine process {k}"
+                rows[key] = {**row, "reason": reason}
+    return sorted(rows.values(), key=lambda r: (r["name"], _version_order(r["version"])))
+
+
+def _version_order(label: str) -> tuple[int, str]:
+    return (int(label), "") if label.isdigit() else (-1, label)
+
+
+class ShardedDataPlane:
+    """Routes the DataPlane interface of a front-end process over several engine processes."""
+
+    def __init__(self, shards: Sequence[RemoteDataPlane]) -> None:
+        if not shards:
+            raise ValueError("ShardedDataPlane needs at least one engine process")
+        self.shards = list(shards)
+        self.metrics = _ShardedMetrics(self.shards)
+        self._in_flight = [0] * len(self.shards)
+        self._turn = 0
+        self._draining = False
+
+    async def connect(self) -> None:
+        """Connect to every engine process."""
+        await asyncio.gather(*(shard.connect() for shard in self.shards))
+
+    async def close(self) -> None:
+        """Close every connection; calls still waiting fail with Unavailable."""
+        await asyncio.gather(*(shard.close() for shard in self.shards))
+
+    def begin_drain(self) -> None:
+        """Report not ready from now on (this front-end is stopping)."""
+        self._draining = True
+        for shard in self.shards:
+            shard.begin_drain()
+
+    def pick(self, request: InferRequest) -> int:
+        """Index of the engine process that runs ``request``."""
+        n = len(self.shards)
+        shard = stream_shard(request.parameters, n)
+        if shard is not None:
+            return shard
+        loads, turn = self._in_flight, self._turn
+        best = min(range(n), key=lambda i: (loads[i], (i - turn) % n))
+        self._turn = (best + 1) % n
+        return best
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        k = self.pick(request)
+        self._in_flight[k] += 1
+        try:
+            return await self.shards[k].infer(request)
+        finally:
+            self._in_flight[k] -= 1
+
+    def live(self) -> bool:
+        return all(shard.live() for shard in self.shards)
+
+    def ready(self) -> bool:
+        return not self._draining and all(shard.ready() for shard in self.shards)
+
+    def server_metadata(self) -> dict:
+        return self.shards[0].server_metadata()
+
+    def model_metadata(self, name: str, version: str = "") -> dict:
+        return self.shards[0].model_metadata(name, version)
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        return all(shard.model_ready(name, version) for shard in self.shards)
+
+    def repository_index(self, ready_only: bool = False) -> list[dict]:
+        rows = merge_indexes([shard.repository_index(False) for shard in self.shards])
+        return [r for r in rows if r["state"] == "READY"] if ready_only else rows
+
+    async def load_model(self, name: str) -> None:
+        await self._everywhere("load_model", name)
+
+    async def unload_model(self, name: str) -> None:
+        await self._everywhere("unload_model", name)
+
+    async def _everywhere(self, method: str, name: str) -> None:
+        """Run ``method`` in every engine process; the first failure (in process order) is raised after all end."""
+        results = await asyncio.gather(*(getattr(shard, method)(name) for shard in self.shards),
+                                       return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result

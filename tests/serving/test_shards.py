@@ -1,0 +1,219 @@
+"""Several engine processes behind one front-end (service.dataplane.shards), over real sockets.
+
+Two real DataPlanes, each served by a DataPlaneServer on its own Unix socket, stand for
+two engine processes; a ShardedDataPlane over two RemoteDataPlanes routes to them as a
+front-end process does. Each DataPlane keeps its own metrics, so the tests can see
+which engine process ran what.
+"""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
+
+from service import create_engine
+from service.dataplane import DataPlane, InferRequest, InferTensor
+from service.dataplane.remote import DataPlaneServer, RemoteDataPlane
+from service.dataplane.shards import ShardedDataPlane, merge_indexes, stream_shard
+from service.errors import NotFound, Unavailable
+from service.metrics import ServerMetrics
+from service.metrics.merge import merge_expositions
+from service.registry import ModelRegistry
+from service.repository import load_model
+from serving_support import LSTM, make_model, write_config
+
+class EngineProcesses:
+    """Two DataPlanes served on Unix sockets from their own thread and event loop (as engine processes
+    would be: a front-end's metadata calls block on their socket, so they cannot share its loop)."""
+
+    def __init__(self, repo: Path, folder: str) -> None:
+        self.repo, self.folder = repo, folder
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.planes: list[DataPlane] = []
+        self.servers: list[DataPlaneServer] = []
+
+    def call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    async def _start(self) -> None:
+        for k in range(2):
+            metrics = ServerMetrics()
+            plane = DataPlane(ModelRegistry(self.repo, "cpu", {}, metrics), metrics)
+            await plane.start()
+            server = DataPlaneServer(plane, str(Path(self.folder) / f"e{k}.sock"))
+            await server.start()
+            self.planes.append(plane)
+            self.servers.append(server)
+
+    async def _stop(self) -> None:
+        for server in self.servers:
+            await server.stop()
+        for plane in self.planes:
+            await plane.stop()
+
+    def start(self) -> None:
+        self.call(self._start())
+
+    def stop(self) -> None:
+        self.call(self._stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest_asyncio.fixture
+async def two_engines(tmp_path):
+    make_model(*LSTM, seed=5).save(tmp_path, "lstm", 1)
+    write_config(tmp_path, "lstm", max_streams=64)
+    folder = tempfile.mkdtemp(prefix="rnnserve-test-")  # Unix socket paths must stay short
+    engines = EngineProcesses(tmp_path, folder)
+    try:
+        engines.start()
+        sharded = ShardedDataPlane([RemoteDataPlane(server.path) for server in engines.servers])
+        await sharded.connect()
+        yield tmp_path, engines.planes, sharded
+        await sharded.close()
+    finally:
+        engines.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _request(x: np.ndarray, **parameters) -> InferRequest:
+    return InferRequest("lstm", inputs=[InferTensor("input", "FP32", list(x.shape), x)], parameters=parameters)
+
+
+def _output(response, name: str = "output") -> np.ndarray:
+    return next(t.data for t in response.outputs if t.name == name)
+
+
+def _count(plane: DataPlane, sample: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(plane.metrics.render().decode()):
+        for s in family.samples:
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
+
+
+@pytest.mark.asyncio
+async def test_concurrent_requests_spread_over_both_engine_processes_and_equal_the_engine(two_engines):
+    repo, planes, sharded = two_engines
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((1, int(rng.integers(3, 30)), 4)).astype(np.float32) for _ in range(40)]
+    answers = await asyncio.gather(*(sharded.infer(_request(x)) for x in xs))
+    engine = create_engine(load_model(repo / "lstm"), "cpu")
+    for x, answer in zip(xs, answers):
+        np.testing.assert_allclose(_output(answer), engine.forward(x).output, rtol=1e-5, atol=1e-5)
+    served = [_count(p, "rnnserve_requests_total", outcome="success") for p in planes]
+    assert sum(served) == 40
+    assert min(served) >= 10, f"requests in flight together should go to the less busy process: {served}"
+
+
+@pytest.mark.asyncio
+async def test_streams_stay_on_the_engine_process_of_their_sequence_id(two_engines):
+    repo, planes, sharded = two_engines
+    rng = np.random.default_rng(1)
+    ids = list(range(1, 17))
+    homes = [stream_shard({"sequence_id": i}, 2) for i in ids]
+    assert set(homes) == {0, 1}  # sixteen ids use both processes
+    xs = {i: rng.standard_normal((1, 12, 4)).astype(np.float32) for i in ids}
+    cuts = [(0, 3), (3, 4), (4, 9), (9, 12)]
+    outs: dict[int, list[np.ndarray]] = {i: [] for i in ids}
+    for a, b in cuts:  # chunk k of every stream at once, interleaved
+        chunks = [sharded.infer(_request(np.ascontiguousarray(xs[i][:, a:b]), sequence_id=i, sequence_start=a == 0,
+                                         sequence_end=b == 12)) for i in ids]
+        for i, answer in zip(ids, await asyncio.gather(*chunks)):
+            outs[i].append(_output(answer))
+    engine = create_engine(load_model(repo / "lstm"), "cpu")
+    for i in ids:
+        np.testing.assert_allclose(np.concatenate(outs[i], axis=1), engine.forward(xs[i]).output, rtol=1e-5, atol=1e-5)
+    for k, plane in enumerate(planes):
+        assert _count(plane, "rnnserve_stream_starts_total") == homes.count(k)
+        assert _count(plane, "rnnserve_stream_ends_total", reason="end") == homes.count(k)
+    # a chunk for a stream that ended is refused by the process that held it, as with one process
+    with pytest.raises(NotFound, match="stream 1 .* ended with sequence_end"):
+        await sharded.infer(_request(xs[1][:, :2], sequence_id=1))
+
+
+@pytest.mark.asyncio
+async def test_load_and_unload_reach_every_engine_process(two_engines):
+    repo, planes, sharded = two_engines
+    x = np.ones((1, 5, 4), np.float32)
+    await sharded.unload_model("lstm")
+    assert not any(p.model_ready("lstm") for p in planes)
+    assert not sharded.model_ready("lstm")
+    for _ in range(3):  # whichever process a request goes to, the model is gone
+        with pytest.raises((NotFound, Unavailable)):
+            await sharded.infer(_request(x))
+    make_model(*LSTM, seed=9).save(repo, "lstm", 2)
+    await sharded.load_model("lstm")
+    assert all(p.model_ready("lstm", "2") for p in planes) and sharded.model_ready("lstm")
+    want = create_engine(load_model(repo / "lstm", 2), "cpu").forward(x).output
+    for answer in await asyncio.gather(*(sharded.infer(_request(x)) for _ in range(6))):
+        np.testing.assert_allclose(_output(answer), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(NotFound, match="nope"):
+        await sharded.load_model("nope")
+    index = sharded.repository_index()
+    assert index == planes[0].repository_index() == planes[1].repository_index()  # as one process shows it
+    assert ("lstm", "2", "READY") in [(r["name"], r["version"], r["state"]) for r in index]
+
+
+@pytest.mark.asyncio
+async def test_metrics_of_every_engine_process_add_up(two_engines):
+    _, planes, sharded = two_engines
+    x = np.ones((1, 5, 4), np.float32)
+    await asyncio.gather(*(sharded.infer(_request(x)) for _ in range(9)))
+    merged = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for f in text_string_to_metric_families(sharded.metrics.render().decode()) for s in f.samples}
+    success = (("model", "lstm"), ("outcome", "success"), ("version", "1"))
+    assert merged[("rnnserve_requests_total", success)] == 9
+    mv = (("model", "lstm"), ("version", "1"))
+    assert merged[("rnnserve_request_duration_seconds_count", mv)] == 9
+    assert merged[("rnnserve_model_ready", mv)] == 1
+
+
+def test_merged_exposition_adds_counters_and_histograms_and_keeps_the_least_ready():
+    a, b = ServerMetrics(), ServerMetrics()
+    a.requests.labels("m", "1", "success").inc(3)
+    b.requests.labels("m", "1", "success").inc(4)
+    b.requests.labels("m", "1", "unavailable").inc()
+    a.request_duration.labels("m", "1").observe(0.003)
+    b.request_duration.labels("m", "1").observe(0.2)
+    a.queue_depth.labels("m", "1").set(2)
+    b.queue_depth.labels("m", "1").set(5)
+    a.model_ready.labels("m", "1").set(1)
+    b.model_ready.labels("m", "1").set(0)
+    families = {f.name: f for f in text_string_to_metric_families(merge_expositions([a.render(), b.render()]).decode())}
+    samples = {(s.name, s.labels.get("outcome"), s.labels.get("le")): s.value for f in families.values()
+               for s in f.samples}
+    assert samples[("rnnserve_requests_total", "success", None)] == 7
+    assert samples[("rnnserve_requests_total", "unavailable", None)] == 1
+    assert samples[("rnnserve_request_duration_seconds_bucket", None, "0.005")] == 1
+    assert samples[("rnnserve_request_duration_seconds_bucket", None, "+Inf")] == 2
+    assert samples[("rnnserve_request_duration_seconds_sum", None, None)] == pytest.approx(0.203)
+    assert samples[("rnnserve_queue_depth", None, None)] == 7
+    assert samples[("rnnserve_model_ready", None, None)] == 0  # not ready in one process: not ready
+    assert families["rnnserve_request_duration_seconds"].type == "histogram"
+    assert families["rnnserve_requests"].type == "counter"
+
+
+def test_merged_index_shows_a_version_not_ready_in_one_process_with_its_reason():
+    ready = {"name": "m", "version": "1", "state": "READY", "reason": ""}
+    broken = {"name": "m", "version": "1", "state": "UNAVAILABLE", "reason": "out of memory"}
+    other = {"name": "a", "version": "3", "state": "READY", "reason": ""}
+    assert merge_indexes([[ready, other], [broken, other]]) == [
+        other, {**broken, "reason": "engine process 1: out of memory"}]
+    assert merge_indexes([[ready], [ready]]) == [ready]
+
+
+def test_stream_chunks_with_bad_parameters_are_not_streams():
+    assert stream_shard({}, 3) is None
+    assert stream_shard({"sequence_start": True}, 3) is None  # invalid: any process answers the error
+    assert stream_shard({"sequence_id": "abc"}, 3) == stream_shard({"sequence_id": "abc", "sequence_end": True}, 3)
