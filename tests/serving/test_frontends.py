@@ -1,7 +1,10 @@
-"""`rnnserve serve --frontends 2`: two front-end processes around one engine process, as a user runs it."""
+"""`rnnserve serve --frontends 2 [--engines 2]`: two front-end processes around one or two engine processes,
+as a user runs it (every test on the shared server runs against both layouts)."""
 from __future__ import annotations
 
+import os
 import re
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 import urllib.request
@@ -20,10 +23,10 @@ from serving_support import LSTM, build_repository, make_model, start_server, st
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def frontends_server(tmp_path_factory):
+@pytest.fixture(scope="module", params=["1", "2"], ids=["one-engine", "two-engines"])
+def frontends_server(tmp_path_factory, request):
     repo = build_repository(tmp_path_factory.mktemp("fe") / "models")
-    proc, http_url, grpc_url = start_server(repo, "--frontends", "2")
+    proc, http_url, grpc_url = start_server(repo, "--frontends", "2", "--engines", request.param)
     try:
         yield repo, proc, http_url.split("://")[1], grpc_url.split("://")[1]
     finally:
@@ -164,7 +167,8 @@ def test_concurrent_requests_coalesced_by_front_ends_equal_their_single_answers(
 def test_sigterm_stops_every_process(frontends_server):
     _, proc, _, _ = frontends_server
     children = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
-    assert len(children) >= 2  # the two front-ends (multiprocessing may add its resource tracker)
+    engines = int(proc.args[proc.args.index("--engines") + 1])
+    assert len(children) >= 2 + engines - 1  # front-ends, engines (multiprocessing may add its resource tracker)
     assert stop_server(proc) == 0
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(Path(f"/proc/{c}").exists() for c in children):
@@ -189,3 +193,31 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
     except (FileNotFoundError, IndexError):
         return False
+
+
+def test_the_server_stops_with_an_error_when_an_engine_process_dies(tmp_path):
+    """A dead engine process would fail every request and stream routed to it: the server exits non-zero, and
+    no process outlives it."""
+    repo = build_repository(tmp_path / "models")
+    proc, http_url, _ = start_server(repo, "--frontends", "1", "--engines", "2")
+    children = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    engine = next(c for c in children if _listens_on(c, "engine-1.sock"))
+    os.kill(engine, signal.SIGKILL)
+    assert proc.wait(20) == 1
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(_alive(c) for c in children):
+        time.sleep(0.1)
+    assert not any(_alive(c) for c in children), "child processes outlived the server"
+
+
+def _listens_on(pid: int, socket_name: str) -> bool:
+    """Whether process ``pid`` holds the listening Unix socket named ``socket_name`` (Linux /proc)."""
+    inodes = {line.split()[6] for line in Path("/proc/net/unix").read_text().splitlines()[1:]
+              if len(line.split()) > 7 and line.split()[7].endswith("/" + socket_name)}
+    links = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            links.append(os.readlink(fd))
+        except FileNotFoundError:  # closed meanwhile
+            pass
+    return any(link.startswith("socket:") and link.strip("socket:[]") in inodes for link in links)
