@@ -2,7 +2,8 @@
 # One full run on a lent GPU machine (see the device tool): the GPU test suite and the
 # benchmarks, logs and JSON written to $OUT. The machine has no package index, so the
 # wheels it lacks travel in .gpu-wheels (FastAPI, uvicorn, pydantic, tritonclient, grpcio...).
-#   usage (device tool, carry .gpu-wheels):  bash bench/gpu_run.sh [tests|serve|engine|profile|cprofile|stalls|all]
+#   usage (device tool, carry .gpu-wheels):  bash bench/gpu_run.sh [tests|serve|engine|profile|cprofile|stalls|engines|all]
+# ENGINES=N: engine processes of the servers started here (rnnserve serve --engines N; default 1).
 # profile: py-spy samples (per thread) of the engine process of `rnnserve serve --frontends 6` under
 # binary-HTTP and gRPC load at concurrency 64 and under 256 paced streams (py-spy wheel in .gpu-wheels): all
 # threads, then only the thread holding the GIL (--gil). PROTOS picks the loads (default: all three);
@@ -46,7 +47,7 @@ if [ "$what" = profile ]; then
   spy=/tmp/site/bin/py-spy
   profile_repository
   python3 -m service.cli serve --repository /tmp/prepo --host 127.0.0.1 --http-port 18000 --grpc-port 18001 \
-    --device cuda --frontends ${FRONTENDS:-6} --log-level warning > "$OUT/profile_server.log" 2>&1 &
+    --device cuda --frontends ${FRONTENDS:-6} --engines ${ENGINES:-1} --log-level warning > "$OUT/profile_server.log" 2>&1 &
   spid=$!
   wait_ready
   for proto in ${PROTOS:-http-binary grpc streams}; do
@@ -74,7 +75,7 @@ fi
 if [ "$what" = cprofile ]; then
   profile_repository
   python3 -m cProfile -o "$OUT/engine.prof" -m service.cli serve --repository /tmp/prepo --host 127.0.0.1 \
-    --http-port 18000 --grpc-port 18001 --device cuda --frontends ${FRONTENDS:-6} --log-level warning \
+    --http-port 18000 --grpc-port 18001 --device cuda --frontends ${FRONTENDS:-6} --engines ${ENGINES:-1} --log-level warning \
     > "$OUT/cprofile_server.log" 2>&1 &
   spid=$!
   wait_ready
@@ -91,12 +92,23 @@ for key in ('tottime', 'cumtime'):
     pstats.Stats('$OUT/engine.prof', stream=sys.stdout).sort_stats(key).print_stats(60)" > "$OUT/engine_prof.txt" 2>&1
   timeout 120 python3 bench/engine_process.py 2>&1 | tee "$OUT/engine_process.log"
 fi
+if [ "$what" = engines ]; then
+  # one and two engine processes (rnnserve serve --engines), alternately, twice, on this host: requests at
+  # concurrency 1 and 64, batching on and off, binary HTTP and gRPC
+  for round in 1 2; do
+    for e in 1 2; do
+      echo "== round $round, --engines $e" | tee -a "$OUT/engines_ab.log"
+      timeout 150 python3 bench/serve.py --device cuda --frontends ${FRONTENDS:-6} --engines $e --scenario requests \
+        --protocols ${PROTOS:-http-binary,grpc} --concurrency 1,64 2>&1 | tee -a "$OUT/engines_ab.log" || rc=1
+    done
+  done
+fi
 if [ "$what" = stalls ]; then
   # 256 paced streams twice against one server whose warnings (slow garbage collections, blocked event
   # loops, with timestamps and front-end pids) go to stalls_server.log; stalls_times.log: when each pass ended
   profile_repository
   python3 -m service.cli serve --repository /tmp/prepo --host 127.0.0.1 --http-port 18000 --grpc-port 18001 \
-    --device cuda --frontends ${FRONTENDS:-6} --log-level ${LOG_LEVEL:-info} > "$OUT/stalls_server.log" 2>&1 &
+    --device cuda --frontends ${FRONTENDS:-6} --engines ${ENGINES:-1} --log-level ${LOG_LEVEL:-info} > "$OUT/stalls_server.log" 2>&1 &
   spid=$!
   wait_ready
   date +%T.%N > "$OUT/stalls_times.log"

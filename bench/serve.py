@@ -858,6 +858,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-hidden", type=int, default=256, help="H of the streaming LSTM (default 256)")
     p.add_argument("--stream-layers", type=int, default=2, help="layers of the streaming LSTM (default 2)")
     p.add_argument("--stream-model", default="bench_stream", help="model the streams drive (default bench_stream)")
+    p.add_argument("--engines", type=int, default=1,
+                   help="engine processes of the started server (rnnserve serve --engines; default 1); with more "
+                        "than one, the 'main' and 'eng' CPU columns are engine process 0's, 'fe' counts the others")
     p.add_argument("--frontends", type=int, default=1,
                    help="front-end processes of the started server (rnnserve serve --frontends; default 1)")
     p.add_argument("--graph-memory-mb", type=int, default=None,
@@ -876,7 +879,8 @@ def main(argv: list[str] | None = None) -> int:
         extra = {} if args.graph_memory_mb is None else {"cuda_graph_memory_mb": args.graph_memory_mb}
         write_repository(repo, args.features, args.hidden, args.layers, extra)
         write_stream_model(repo, args.features, args.stream_hidden, args.stream_layers, extra)
-        proc, http_url, grpc_url = start_server(repo, args.device, ["--frontends", str(args.frontends)])
+        proc, http_url, grpc_url = start_server(repo, args.device, ["--frontends", str(args.frontends),
+                                                                    "--engines", str(args.engines)])
         args.server_pid = proc.pid
         models = ["bench", "bench_nobatch"]
     rows: list[dict] = []
@@ -886,7 +890,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rnnserve bench: LSTM I={args.features} H={args.hidden} L={args.layers}, lengths "
                   f"{args.min_len}..{args.max_len}, output_last, {args.duration:.0f}s per cell, "
                   f"{os.cpu_count()} CPUs, device {args.device}, server {http_url} (gRPC {grpc_url or 'off'}), "
-                  f"{args.frontends} front-end process(es)")
+                  f"{args.frontends} front-end process(es), {args.engines} engine process(es)")
             args.engine_ms = None
             if tmp is not None:
                 seqs = make_sequences(args.pool, args.features, args.min_len, args.max_len)

@@ -24,15 +24,16 @@ ROOT = Path(__file__).resolve().parents[2]
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def gpu_server(tmp_path_factory):
+@pytest.fixture(scope="module", params=[(), ("--frontends", "2", "--engines", "2")],
+                ids=["one-process", "two-engine-processes"])
+def gpu_server(tmp_path_factory, request):
     repo = build_repository(tmp_path_factory.mktemp("gpu") / "models")
     for name in ("forecaster", "wave_classifier"):
         shutil.copytree(ROOT / "models" / name, repo / name)
     plain = make_model(BlockSpec("lstm", 4, 8), seed=3)
     PackedModel(RNNSpec((BlockSpec("lstm", 4, 8, variant={"peephole": True}),)), plain.weights,
                 {"block0.peephole": np.full((1, 3, 8), 0.1, np.float32)}).save(repo, "lstm_peephole", 1)
-    proc, http_url, grpc_url = start_server(repo, "--device", "auto", timeout=180)
+    proc, http_url, grpc_url = start_server(repo, "--device", "auto", *request.param, timeout=180)
     try:
         yield repo, http_url.split("://")[1], grpc_url.split("://")[1]
     finally:
