@@ -354,8 +354,7 @@ async def test_fastapi_infer_route_answers_like_the_fast_path(repo):
                 ("/v2/models/nope/infer", _infer_body(x)),
                 ("/v2/models/lstm/infer", _infer_body(x[:, :, :3]))]
     async with rest_client(repo) as (fast, dataplane):
-        app = create_rest_app(dataplane)
-        app.user_middleware.clear()  # before the first request builds the middleware stack
+        app = create_rest_app(dataplane).app  # the FastAPI app behind the fast path
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as routed:
             for path, body in requests:
                 a, b = await fast.post(path, json=body), await routed.post(path, json=body)

@@ -47,8 +47,9 @@ _INFER_BODY = {
 }
 
 
-def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1024) -> FastAPI:
-    """Build the FastAPI app serving ``dataplane`` (no global state; one app per server)."""
+def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1024) -> InferFastPath:
+    """The ASGI app serving ``dataplane`` (no global state; one app per server): infer requests go straight
+    to their handler, everything else to the FastAPI app (``.app``)."""
     app = FastAPI(
         title="rnnserve",
         version=__version__,
@@ -151,8 +152,7 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
     async def metrics() -> Response:
         return Response(dataplane.metrics.render(), media_type=dataplane.metrics.content_type)
 
-    app.add_middleware(InferFastPath, dataplane=dataplane, max_request_bytes=max_request_bytes)
-    return app
+    return InferFastPath(app, dataplane, max_request_bytes)
 
 
 async def _json_or_empty(request: Request) -> dict:
