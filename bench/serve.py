@@ -46,6 +46,7 @@ import os
 import platform
 import re
 import subprocess
+import statistics
 import sys
 import tempfile
 import time
@@ -495,35 +496,63 @@ async def bench(args: argparse.Namespace, http_url: str, grpc_url: str | None, m
     async with aiohttp.ClientSession() as session:
         await wait_ready(session, http_url)
     rows = []
-    for protocol in args.protocols:
-        if protocol == "grpc" and not grpc_url:
-            print("skipping gRPC: the server has no gRPC port", file=sys.stderr)
-            continue
-        for model in models:
-            for conc in args.concurrency:
-                cell = {"protocol": protocol, "model": model, "concurrency": conc, "http_url": http_url,
-                        "grpc_url": grpc_url, "pool": args.pool, "features": args.features, "min_len": args.min_len,
-                        "max_len": args.max_len, "seed": 1, "duration": args.duration, "warmup": args.warmup,
-                        "client": args.client, "gc_off": args.client_gc == "off"}
-                before = server_counters(http_url, model)
-                with CpuSampler(args.server_pid or 0) as sampler:
-                    res = await asyncio.to_thread(run_distributed, cell, args.clients)
-                after = server_counters(http_url, model)
-                side = server_side(before, after)
-                batches = after["rnnserve_batch_size_count"] - before["rnnserve_batch_size_count"]
-                compute = after["rnnserve_compute_duration_seconds_sum"] - before["rnnserve_compute_duration_seconds_sum"]
-                res["server_batches"] = batches
-                res.update(side)
-                res["compute_ms_per_batch"] = side["batch_ms"]
-                res["engine_busy"] = compute / (args.duration + args.warmup)
-                cores = sampler.cores(*res["window"]) if "window" in res else None
-                res["engine_cores"], res["engine_main_cores"], res["frontend_cores"] = cores or (None, None, None)
-                row = {"protocol": protocol, "model": model, "batching": "off" if model.endswith("_nobatch") else "on",
-                       "concurrency": conc, "clients": min(args.clients, conc), **res,
-                       "engine_ms": args.engine_ms if conc == 1 else None}
-                rows.append(row)
-                print(_format_row(row), flush=True)
+    for round_ in range(1, args.repeat + 1):
+        for protocol in args.protocols:
+            if protocol == "grpc" and not grpc_url:
+                print("skipping gRPC: the server has no gRPC port", file=sys.stderr)
+                continue
+            for model in models:
+                for conc in args.concurrency:
+                    cell = {"protocol": protocol, "model": model, "concurrency": conc, "http_url": http_url,
+                            "grpc_url": grpc_url, "pool": args.pool, "features": args.features, "min_len": args.min_len,
+                            "max_len": args.max_len, "seed": 1, "duration": args.duration, "warmup": args.warmup,
+                            "client": args.client, "gc_off": args.client_gc == "off"}
+                    before = server_counters(http_url, model)
+                    with CpuSampler(args.server_pid or 0) as sampler:
+                        res = await asyncio.to_thread(run_distributed, cell, args.clients)
+                    after = server_counters(http_url, model)
+                    side = server_side(before, after)
+                    batches = after["rnnserve_batch_size_count"] - before["rnnserve_batch_size_count"]
+                    compute = after["rnnserve_compute_duration_seconds_sum"] - before["rnnserve_compute_duration_seconds_sum"]
+                    res["server_batches"] = batches
+                    res.update(side)
+                    res["compute_ms_per_batch"] = side["batch_ms"]
+                    res["engine_busy"] = compute / (args.duration + args.warmup)
+                    cores = sampler.cores(*res["window"]) if "window" in res else None
+                    res["engine_cores"], res["engine_main_cores"], res["frontend_cores"] = cores or (None, None, None)
+                    row = {"protocol": protocol, "model": model, "batching": "off" if model.endswith("_nobatch") else "on",
+                           "concurrency": conc, "clients": min(args.clients, conc), **res,
+                           "engine_ms": args.engine_ms if conc == 1 else None, "round": round_}
+                    rows.append(row)
+                    print(_format_row(row), flush=True)
+    if args.repeat > 1 or len(models) > 1:
+        print(summary(rows))
     return rows
+
+
+def summary(rows: list[dict]) -> str:
+    """Per protocol and concurrency: batching on / off throughput of each round (cells of one round ran
+    minutes apart at most, so a host's drift affects both sides alike) and their median; at concurrency 1
+    also the median 'p50 - engine'."""
+    lines = ["", "| protocol    | conc | on/off req/s by round | median ratio | median p50 - engine (on, off) |",
+             "|-------------|-----:|-----------------------|-------------:|-------------------------------|"]
+    keys = sorted({(r["protocol"], r["concurrency"]) for r in rows}, key=lambda k: (k[0], k[1]))
+    for protocol, conc in keys:
+        ratios, extra = [], {"on": [], "off": []}
+        for round_ in sorted({r["round"] for r in rows}):
+            cell = {r["batching"]: r for r in rows
+                    if (r["protocol"], r["concurrency"], r["round"]) == (protocol, conc, round_)}
+            if "on" in cell and "off" in cell and cell["off"]["throughput_rps"]:
+                ratios.append(cell["on"]["throughput_rps"] / cell["off"]["throughput_rps"])
+            for side, r in cell.items():
+                if r.get("engine_ms") is not None and r["p50_ms"] is not None:
+                    extra[side].append(r["p50_ms"] - r["engine_ms"])
+        shown = " ".join(f"{x:.1f}x" for x in ratios) or "-"
+        med = f"{statistics.median(ratios):.1f}x" if ratios else "-"
+        ext = ", ".join(f"{statistics.median(v):.2f}" if v else "-" for v in (extra["on"], extra["off"])) \
+            if conc == 1 else "-"
+        lines.append(f"| {protocol:<11} | {conc:>4} | {shown:<21} | {med:>12} | {ext:<29} |")
+    return "\n".join(lines)
 
 
 # ---- streams ------------------------------------------------------------------------------------------------
@@ -858,6 +887,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-hidden", type=int, default=256, help="H of the streaming LSTM (default 256)")
     p.add_argument("--stream-layers", type=int, default=2, help="layers of the streaming LSTM (default 2)")
     p.add_argument("--stream-model", default="bench_stream", help="model the streams drive (default bench_stream)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of every requests cell (default 1); the summary gives each round's batching on/off "
+                        "ratio and their median")
     p.add_argument("--engines", type=int, default=1,
                    help="engine processes of the started server (rnnserve serve --engines; default 1); with more "
                         "than one, the 'main' and 'eng' CPU columns are engine process 0's, 'fe' counts the others")
