@@ -4,12 +4,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import logging
 import multiprocessing
 import os
 import signal
-from typing import Any
+import sys
+from typing import Any, Awaitable, Callable
 
+from . import eventloop
 from .errors import RNNServeError
+from .settings import ServeSettings
 
 START_TIMEOUT_S = 120.0
 
@@ -18,6 +22,24 @@ def die_with_parent() -> None:
     """Linux: get SIGTERM when the supervising process dies, however it dies (no orphaned children)."""
     with contextlib.suppress(OSError, AttributeError):  # not Linux: the socket-closed path still stops us
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def run_child(role: str, settings: dict[str, Any], main: Callable[..., Awaitable[int]], *args: Any) -> None:
+    """Body of a spawned child: logging tagged with ``role``, settings rebuilt, ``main(settings, *args)`` on the
+    configured event loop, exit with its code. ``args[-1]`` is the ``started`` queue, which gets the error when
+    the child cannot start."""
+    logging.basicConfig(level=settings.get("log_level", "info").upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s[{role} %(process)d]: %(message)s")
+    try:
+        child_settings = ServeSettings(**settings)
+        # Busy event loops must hand the GIL over quickly: to gRPC's poller thread in a front-end, to the
+        # batch waits in an engine process (see the setting).
+        sys.setswitchinterval(child_settings.gil_switch_interval_us / 1e6)
+        code = eventloop.run(main(child_settings, *args), child_settings.event_loop)
+    except Exception as exc:  # noqa: BLE001 - reported to the supervisor, which exits non-zero
+        args[-1].put(("error", f"{type(exc).__name__}: {exc}"))
+        code = 1
+    raise SystemExit(code)
 
 
 async def start_children(procs: list[multiprocessing.Process], started: Any, what: str) -> None:

@@ -12,19 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import signal
-import sys
 from typing import Any
 
-from . import eventloop
 from .app import _serving, build_dataplane
-from .children import die_with_parent
+from .children import die_with_parent, run_child
 from .dataplane.remote import DataPlaneServer
 from .settings import ServeSettings
-
-log = logging.getLogger("rnnserve.engines")
 
 
 def engine_socket(folder: str, index: int) -> str:
@@ -32,39 +27,53 @@ def engine_socket(folder: str, index: int) -> str:
     return os.path.join(folder, "engine.sock" if index == 0 else f"engine-{index}.sock")
 
 
+class EngineHost:
+    """One engine process's DataPlane served on its Unix socket: listening, loading the repository, drained.
+
+    The supervisor (engine process 0) and every spawned engine process run the same lifecycle.
+    """
+
+    def __init__(self, settings: ServeSettings, socket_path: str) -> None:
+        self.dataplane = build_dataplane(settings)
+        self.server = DataPlaneServer(self.dataplane, socket_path)
+        self._load: asyncio.Task | None = None
+
+    async def listen(self) -> None:
+        """Accept front-end connections (models are not loaded yet: calls answer 'not ready')."""
+        await self.server.start()
+
+    def load(self) -> None:
+        """Load the repository in the background."""
+        self._load = asyncio.create_task(self.dataplane.start(), name="load-models")
+        self._load.add_done_callback(_serving)
+
+    async def stop(self) -> None:
+        """Stop loading, finish the calls in flight and what waits in the schedulers."""
+        self.dataplane.begin_drain()
+        if self._load is not None and not self._load.done():
+            self._load.cancel()
+            with contextlib.suppress(BaseException):
+                await self._load
+        await self.server.stop()
+        await self.dataplane.stop(drain=True)
+
+
 def run_engine_process(settings: dict[str, Any], socket_path: str, started: Any) -> None:
     """Entry point of engine process 1..N-1 (spawned: CUDA starts fresh in it)."""
-    logging.basicConfig(level=settings.get("log_level", "info").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s[engine %(process)d]: %(message)s")
-    try:
-        engine_settings = ServeSettings(**settings)
-        code = eventloop.run(_engine_process(engine_settings, socket_path, started), engine_settings.event_loop)
-    except Exception as exc:  # noqa: BLE001 - reported to the supervisor, which exits non-zero
-        started.put(("error", f"{type(exc).__name__}: {exc}"))
-        code = 1
-    raise SystemExit(code)
+    run_child("engine", settings, _engine_process, socket_path, started)
 
 
 async def _engine_process(settings: ServeSettings, socket_path: str, started: Any) -> int:
     die_with_parent()
-    sys.setswitchinterval(settings.gil_switch_interval_us / 1e6)
     stop = asyncio.Event()
-    dataplane = build_dataplane(settings)
-    server = DataPlaneServer(dataplane, socket_path)
-    await server.start()
+    host = EngineHost(settings, socket_path)
+    await host.listen()
     # Only the supervisor's SIGTERM stops an engine process: a Ctrl-C reaches the whole process group, and
     # the engine processes must keep serving the front-ends while those drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     started.put(("ok", os.getpid()))
-    load_task = asyncio.create_task(dataplane.start(), name="load-models")
-    load_task.add_done_callback(_serving)
+    host.load()
     await stop.wait()
-    dataplane.begin_drain()
-    if not load_task.done():
-        load_task.cancel()
-        with contextlib.suppress(BaseException):
-            await load_task
-    await server.stop()
-    await dataplane.stop(drain=True)
+    await host.stop()
     return 0

@@ -18,16 +18,15 @@ import logging
 import multiprocessing
 import os
 import shutil
-import sys
 import tempfile
 from typing import Any
 
 from . import eventloop
-from .app import Transports, _free_port, _serving, build_dataplane, install_stop_handlers, remove_stop_handlers
-from .children import die_with_parent, start_children, stop_children, watch_children
-from .dataplane.remote import DataPlaneServer, RemoteDataPlane
+from .app import Transports, _free_port, install_stop_handlers, remove_stop_handlers
+from .children import die_with_parent, run_child, start_children, stop_children, watch_children
+from .dataplane.remote import RemoteDataPlane
 from .dataplane.shards import ShardedDataPlane
-from .engine_processes import engine_socket, run_engine_process
+from .engine_processes import EngineHost, engine_socket, run_engine_process
 from .heap import freeze_heap
 from .settings import ServeSettings
 
@@ -36,17 +35,7 @@ log = logging.getLogger("rnnserve.frontends")
 
 def run_frontend(settings: dict[str, Any], socket_paths: list[str], started: Any) -> None:
     """Entry point of one front-end process (spawned: it never touches CUDA)."""
-    logging.basicConfig(level=settings.get("log_level", "info").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s[frontend %(process)d]: %(message)s")
-    try:
-        fe_settings = ServeSettings(**settings)
-        # gRPC's poller thread must get the GIL from the busy event loop for every call it completes.
-        sys.setswitchinterval(fe_settings.gil_switch_interval_us / 1e6)
-        code = eventloop.run(_frontend(fe_settings, socket_paths, started), fe_settings.event_loop)
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, which exits non-zero
-        started.put(("error", f"{type(exc).__name__}: {exc}"))
-        code = 1
-    raise SystemExit(code)
+    run_child("frontend", settings, _frontend, socket_paths, started)
 
 
 async def _frontend(settings: ServeSettings, socket_paths: list[str], started: Any) -> int:
@@ -73,16 +62,15 @@ async def _frontend(settings: ServeSettings, socket_paths: list[str], started: A
 async def serve_with_frontends(settings: ServeSettings, stop_event: asyncio.Event | None = None) -> int:
     """Run engine process 0 with ``settings.engines - 1`` more engine processes and ``settings.frontends``
     front-end processes until SIGTERM/SIGINT."""
-    host = settings.host
-    http_port = settings.http_port or _free_port(host)
-    grpc_port = settings.grpc_port if settings.grpc_port != 0 else _free_port(host)
+    host_name = settings.host
+    http_port = settings.http_port or _free_port(host_name)
+    grpc_port = settings.grpc_port if settings.grpc_port != 0 else _free_port(host_name)
     child_settings = settings.model_dump(mode="json") | {"http_port": http_port, "grpc_port": grpc_port,
                                                          "frontends": 1, "engines": 1}
     folder = tempfile.mkdtemp(prefix="rnnserve-")
     sockets = [engine_socket(folder, k) for k in range(settings.engines)]
-    dataplane = build_dataplane(settings)
-    server = DataPlaneServer(dataplane, sockets[0])
-    await server.start()
+    host = EngineHost(settings, sockets[0])
+    await host.listen()
     ctx = multiprocessing.get_context("spawn")
     started = ctx.Queue()
     engines = [ctx.Process(target=run_engine_process, args=(child_settings, path, started), name=f"engine-{k}")
@@ -91,18 +79,16 @@ async def serve_with_frontends(settings: ServeSettings, stop_event: asyncio.Even
                  for k in range(settings.frontends)]
     stop = stop_event or asyncio.Event()
     install_stop_handlers(stop)
-    load_task = None
     dead: list[str] = []
     try:
         await start_children(engines, started, "an engine process")
         await start_children(frontends, started, "a front-end process")
-        grpc_phrase = f"gRPC on {host}:{grpc_port}" if grpc_port >= 0 else "gRPC off (--grpc-port -1)"
-        line = f"rnnserve: HTTP on {host}:{http_port}, {grpc_phrase}"
+        grpc_phrase = f"gRPC on {host_name}:{grpc_port}" if grpc_port >= 0 else "gRPC off (--grpc-port -1)"
+        line = f"rnnserve: HTTP on {host_name}:{http_port}, {grpc_phrase}"
         print(line, flush=True)
         log.info("%s; %d front-end and %d engine processes; loading models from %s on device %s", line,
                  len(frontends), settings.engines, settings.repository, settings.device)
-        load_task = asyncio.create_task(dataplane.start(), name="load-models")
-        load_task.add_done_callback(_serving)
+        host.load()
         watch = asyncio.create_task(watch_children(engines + frontends))
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({stopper, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -111,14 +97,11 @@ async def serve_with_frontends(settings: ServeSettings, stop_event: asyncio.Even
         watch.cancel()
         stopper.cancel()
         log.info("rnnserve: draining in-flight requests (up to %.0fs)", settings.drain_timeout_s)
-        dataplane.begin_drain()
+        host.dataplane.begin_drain()
     finally:
         await stop_children(frontends, settings.drain_timeout_s)  # first: their requests still reach the engines
-        if load_task is not None and not load_task.done():
-            load_task.cancel()
         await stop_children(engines, settings.drain_timeout_s)
-        await server.stop()
-        await dataplane.stop(drain=True)
+        await host.stop()
         remove_stop_handlers()
         shutil.rmtree(folder, ignore_errors=True)
     if dead:

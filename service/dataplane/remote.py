@@ -36,6 +36,7 @@ import threading
 from functools import partial
 from typing import Any, Callable
 
+from ..metrics import CONTENT_TYPE_LATEST
 from ..errors import NotFound, RNNServeError, StaleModelView, Unavailable
 from ..wire import wire
 from .coalesce import ChunkLane, Lane
@@ -241,7 +242,7 @@ class DataPlaneServer:
 class _RemoteMetrics:
     """What the REST transport reads from ``dataplane.metrics``: the engine process's exposition."""
 
-    content_type = "text/plain; version=0.0.4; charset=utf-8"
+    content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, remote: "RemoteDataPlane") -> None:
         self._remote = remote

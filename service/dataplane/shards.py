@@ -26,6 +26,7 @@ import zlib
 from typing import Any, Sequence
 
 from ..errors import InvalidInput
+from ..metrics import CONTENT_TYPE_LATEST
 from ..metrics.merge import merge_expositions
 from .remote import RemoteDataPlane
 from .types import InferRequest, InferResponse
@@ -35,7 +36,7 @@ from .validation import stream_request
 class _ShardedMetrics:
     """What the REST transport reads from ``dataplane.metrics``: every engine process's series, added up."""
 
-    content_type = "text/plain; version=0.0.4; charset=utf-8"
+    content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, shards: Sequence[RemoteDataPlane]) -> None:
         self._shards = shards
@@ -103,7 +104,7 @@ class ShardedDataPlane:
     def pick(self, request: InferRequest) -> int:
         """Index of the engine process that runs ``request``."""
         n = len(self.shards)
-        shard = stream_shard(request.parameters, n)
+        shard = stream_shard(request.parameters, n) if request.parameters else None
         if shard is not None:
             return shard
         loads, turn = self._in_flight, self._turn
