@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator
 
 import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.app import build_dataplane
 from service.packing import LayerWeights, pack_block
@@ -161,3 +162,12 @@ def triton_inputs(module: Any, x: np.ndarray, lengths: np.ndarray) -> list:
     b = module.InferInput("lengths", list(lengths.shape), "INT32")
     b.set_data_from_numpy(lengths)
     return [a, b]
+
+
+def metric_value(dataplane: Any, name: str, **labels: str) -> float:
+    """The value of sample ``name`` with ``labels`` (among others) in ``dataplane``'s exposition, 0 when absent."""
+    for family in text_string_to_metric_families(dataplane.metrics.render().decode()):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0

@@ -7,7 +7,6 @@ import pickle
 import numpy as np
 import pytest
 import pytest_asyncio
-from prometheus_client.parser import text_string_to_metric_families
 
 from service import create_engine
 from service.dataplane import DataPlane
@@ -16,7 +15,7 @@ from service.dataplane.view import Prepared
 from service.errors import InvalidInput
 from service.registry import ModelRegistry
 from service.scheduler import SequenceWork
-from serving_support import LSTM, make_model, write_config
+from serving_support import LSTM, make_model, metric_value, write_config
 
 pytestmark = pytest.mark.asyncio
 
@@ -55,14 +54,6 @@ class Recorder:
         return self.dataplane.submit_prepared("lstm", "", self.view.generation, prepared)
 
 
-def _metric(dataplane: DataPlane, name: str, **labels: str) -> float:
-    for family in text_string_to_metric_families(dataplane.metrics.render().decode()):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
-
-
 async def test_requests_merged_in_one_message_answer_as_alone(dataplane):
     rng = np.random.default_rng(0)
     works = [
@@ -91,8 +82,8 @@ async def test_requests_merged_in_one_message_answer_as_alone(dataplane):
             if name in got:
                 np.testing.assert_allclose(got[name], getattr(want, name), rtol=1e-5, atol=1e-6)
     # the engine process counts requests, not messages
-    assert _metric(dataplane, "rnnserve_requests_total", model="lstm", outcome="success") == 5
-    assert _metric(dataplane, "rnnserve_request_duration_seconds_count", model="lstm") == 5
+    assert metric_value(dataplane, "rnnserve_requests_total", model="lstm", outcome="success") == 5
+    assert metric_value(dataplane, "rnnserve_request_duration_seconds_count", model="lstm") == 5
 
 
 async def test_messages_respect_max_batch_size_and_the_in_flight_limit(dataplane):
@@ -193,8 +184,8 @@ async def test_stream_chunks_travel_together_and_each_answers_on_its_own(datapla
                                    rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(parts[-1]["h_n"], want.h_n, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(parts[-1]["c_n"], want.c_n, rtol=1e-6, atol=1e-6)
-    assert _metric(dataplane, "rnnserve_requests_total", model="lstm", outcome="success") == 5
-    assert _metric(dataplane, "rnnserve_requests_total", model="lstm", outcome="not_found") == 1
+    assert metric_value(dataplane, "rnnserve_requests_total", model="lstm", outcome="success") == 5
+    assert metric_value(dataplane, "rnnserve_requests_total", model="lstm", outcome="not_found") == 1
 
 
 async def test_a_lone_chunk_leaves_alone_and_a_cancelled_chunk_is_not_sent(dataplane):

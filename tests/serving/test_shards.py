@@ -27,7 +27,7 @@ from service.metrics import ServerMetrics
 from service.metrics.merge import merge_expositions
 from service.registry import ModelRegistry
 from service.repository import load_model
-from serving_support import LSTM, make_model, write_config
+from serving_support import LSTM, make_model, metric_value, write_config
 
 class EngineProcesses:
     """Two DataPlanes served on Unix sockets from their own thread and event loop (as engine processes
@@ -94,14 +94,6 @@ def _output(response, name: str = "output") -> np.ndarray:
     return next(t.data for t in response.outputs if t.name == name)
 
 
-def _count(plane: DataPlane, sample: str, **labels: str) -> float:
-    for family in text_string_to_metric_families(plane.metrics.render().decode()):
-        for s in family.samples:
-            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
-                return s.value
-    return 0.0
-
-
 @pytest.mark.asyncio
 async def test_concurrent_requests_spread_over_both_engine_processes_and_equal_the_engine(two_engines):
     repo, planes, sharded = two_engines
@@ -111,7 +103,7 @@ async def test_concurrent_requests_spread_over_both_engine_processes_and_equal_t
     engine = create_engine(load_model(repo / "lstm"), "cpu")
     for x, answer in zip(xs, answers):
         np.testing.assert_allclose(_output(answer), engine.forward(x).output, rtol=1e-5, atol=1e-5)
-    served = [_count(p, "rnnserve_requests_total", outcome="success") for p in planes]
+    served = [metric_value(p, "rnnserve_requests_total", outcome="success") for p in planes]
     assert sum(served) == 40
     assert min(served) >= 10, f"requests in flight together should go to the less busy process: {served}"
 
@@ -135,8 +127,8 @@ async def test_streams_stay_on_the_engine_process_of_their_sequence_id(two_engin
     for i in ids:
         np.testing.assert_allclose(np.concatenate(outs[i], axis=1), engine.forward(xs[i]).output, rtol=1e-5, atol=1e-5)
     for k, plane in enumerate(planes):
-        assert _count(plane, "rnnserve_stream_starts_total") == homes.count(k)
-        assert _count(plane, "rnnserve_stream_ends_total", reason="end") == homes.count(k)
+        assert metric_value(plane, "rnnserve_stream_starts_total") == homes.count(k)
+        assert metric_value(plane, "rnnserve_stream_ends_total", reason="end") == homes.count(k)
     # a chunk for a stream that ended is refused by the process that held it, as with one process
     with pytest.raises(NotFound, match="stream 1 .* ended with sequence_end"):
         await sharded.infer(_request(xs[1][:, :2], sequence_id=1))
