@@ -5,7 +5,7 @@
 #   usage (device tool, carry .gpu-wheels):  bash bench/gpu_run.sh [tests|serve|engine|profile|cprofile|stalls|engines|all]
 # ENGINES=N: engine processes of the servers started here (rnnserve serve --engines N; default 1).
 # profile: py-spy samples (per thread) of the engine process of `rnnserve serve --frontends 6` under
-# binary-HTTP and gRPC load at concurrency 64 and under 256 paced streams (py-spy wheel in .gpu-wheels): all
+# binary-HTTP and gRPC load at concurrency 64 (CONC=) and under 256 paced streams (py-spy wheel in .gpu-wheels): all
 # threads, then only the thread holding the GIL (--gil). PROTOS picks the loads (default: all three);
 # SPY_NATIVE=1 adds C frames (CPython, uvloop, CuPy, the CUDA driver) to the all-threads profile.
 # cprofile: the engine process of `rnnserve serve --frontends 6` under cProfile (its event-loop thread) through
@@ -56,7 +56,7 @@ if [ "$what" = profile ]; then
         --streams 256 --chunk-interval-ms 100 --paced-seconds 10 --clients ${CLIENTS:-6} 2>&1 | tee -a "$OUT/profile_load.log" &
     else
       python3 bench/serve.py --url 127.0.0.1:18000 --grpc-url 127.0.0.1:18001 --no-compare --protocols $proto \
-        --concurrency 64 --duration 8 --warmup 1 --clients ${CLIENTS:-4} --scenario requests 2>&1 | tee -a "$OUT/profile_load.log" &
+        --concurrency ${CONC:-64} --duration 8 --warmup 1 --clients ${CLIENTS:-4} --scenario requests 2>&1 | tee -a "$OUT/profile_load.log" &
     fi
     lpid=$!
     sleep 3
@@ -65,6 +65,15 @@ if [ "$what" = profile ]; then
       $spy record -p $spid -d 3 -r 100 -t --native -f raw -o "$OUT/engine_$proto.txt" >> "$OUT/profile_load.log" 2>&1
     else
       $spy record -p $spid -d 3 -r 500 -t -f raw -o "$OUT/engine_$proto.txt" --nonblocking >> "$OUT/profile_load.log" 2>&1
+    fi
+    if [ -n "${SPY_FRONTENDS:-}" ]; then  # the front-end processes too, all at once (one file, pid per line)
+      spies=()
+      for c in $(pgrep -P $spid); do
+        $spy record -p $c -d 3 -r 250 -f raw -o "/tmp/fe_$c.txt" --nonblocking > /dev/null 2>&1 &
+        spies+=($!)
+      done
+      wait "${spies[@]}"
+      for f in /tmp/fe_*.txt; do sed "s/^/$(basename $f .txt);/" "$f"; done > "$OUT/frontends_$proto.txt"; rm -f /tmp/fe_*.txt
     fi
     # --gil: only the thread holding the GIL, i.e. where the engine process's one Python core goes
     $spy record -p $spid -d 3 -r 500 -t --gil -f raw -o "$OUT/engine_gil_$proto.txt" --nonblocking >> "$OUT/profile_load.log" 2>&1

@@ -316,24 +316,34 @@ def lean_grpc_sender(client_channel, model: str):
     return prepare, send
 
 
-def engine_alone_ms(repo: Path, device: str, seqs: list[np.ndarray], repeats: int = 5) -> float:
-    """Median time of the engine itself on each single request's sequence, in this process.
+def engine_alone_ms(repo: Path, device: str, seqs: list[np.ndarray], repeats: int = 5,
+                    idle_s: float = 1e-3) -> tuple[float, float]:
+    """Median time of the engine itself on each single request's sequence, in this process:
+    back to back, and each call after ``idle_s`` of idling (as requests at concurrency 1 reach it).
 
-    The service's own cost at concurrency 1 is the request's p50 latency minus this.
+    The service's own cost at concurrency 1 is the request's p50 latency minus this. An engine
+    called after an idle gap is slower than in a tight loop (a GPU's clocks and queues, the
+    CPU's wake-up: 0.43-0.49 vs 0.24 ms on an H100 host, bench/wait_path.py), and requests at
+    concurrency 1 always arrive after one; both are shown.
     """
     from service import create_engine
     from service.repository import load_model
 
     engine = create_engine(load_model(repo / "bench"), device)
-    times = []
+    times, paced = [], []
     for x in seqs:
         engine.forward(x)
         for _ in range(repeats):
             t0 = time.perf_counter()
             engine.forward(x)
             times.append(time.perf_counter() - t0)
+        for _ in range(repeats):
+            time.sleep(idle_s)
+            t0 = time.perf_counter()
+            engine.forward(x)
+            paced.append(time.perf_counter() - t0)
     engine.close()
-    return float(np.median(times)) * 1e3
+    return float(np.median(times)) * 1e3, float(np.median(paced)) * 1e3
 
 
 def _summary(latencies: list[float], errors: int, duration: float) -> dict:
@@ -522,7 +532,8 @@ async def bench(args: argparse.Namespace, http_url: str, grpc_url: str | None, m
                     res["engine_cores"], res["engine_main_cores"], res["frontend_cores"] = cores or (None, None, None)
                     row = {"protocol": protocol, "model": model, "batching": "off" if model.endswith("_nobatch") else "on",
                            "concurrency": conc, "clients": min(args.clients, conc), **res,
-                           "engine_ms": args.engine_ms if conc == 1 else None, "round": round_}
+                           "engine_ms": args.engine_ms if conc == 1 else None,
+                           "engine_paced_ms": args.engine_paced_ms if conc == 1 else None, "round": round_}
                     rows.append(row)
                     print(_format_row(row), flush=True)
     if args.repeat > 1 or len(models) > 1:
@@ -534,11 +545,13 @@ def summary(rows: list[dict]) -> str:
     """Per protocol and concurrency: batching on / off throughput of each round (cells of one round ran
     minutes apart at most, so a host's drift affects both sides alike) and their median; at concurrency 1
     also the median 'p50 - engine'."""
-    lines = ["", "| protocol    | conc | on/off req/s by round | median ratio | median p50 - engine (on, off) |",
-             "|-------------|-----:|-----------------------|-------------:|-------------------------------|"]
+    lines = ["", "| protocol    | conc | on/off req/s by round | median ratio | median p50 - engine (on, off) "
+                 "| median p50 - engine after idle (on, off) |",
+             "|-------------|-----:|-----------------------|-------------:|-------------------------------"
+             "|------------------------------------------|"]
     keys = sorted({(r["protocol"], r["concurrency"]) for r in rows}, key=lambda k: (k[0], k[1]))
     for protocol, conc in keys:
-        ratios, extra = [], {"on": [], "off": []}
+        ratios, extra, extra_idle = [], {"on": [], "off": []}, {"on": [], "off": []}
         for round_ in sorted({r["round"] for r in rows}):
             cell = {r["batching"]: r for r in rows
                     if (r["protocol"], r["concurrency"], r["round"]) == (protocol, conc, round_)}
@@ -547,11 +560,13 @@ def summary(rows: list[dict]) -> str:
             for side, r in cell.items():
                 if r.get("engine_ms") is not None and r["p50_ms"] is not None:
                     extra[side].append(r["p50_ms"] - r["engine_ms"])
+                if r.get("engine_paced_ms") is not None and r["p50_ms"] is not None:
+                    extra_idle[side].append(r["p50_ms"] - r["engine_paced_ms"])
         shown = " ".join(f"{x:.1f}x" for x in ratios) or "-"
         med = f"{statistics.median(ratios):.1f}x" if ratios else "-"
-        ext = ", ".join(f"{statistics.median(v):.2f}" if v else "-" for v in (extra["on"], extra["off"])) \
-            if conc == 1 else "-"
-        lines.append(f"| {protocol:<11} | {conc:>4} | {shown:<21} | {med:>12} | {ext:<29} |")
+        ext, ext_idle = (", ".join(f"{statistics.median(v):.2f}" if v else "-" for v in (e["on"], e["off"]))
+                         if conc == 1 else "-" for e in (extra, extra_idle))
+        lines.append(f"| {protocol:<11} | {conc:>4} | {shown:<21} | {med:>12} | {ext:<29} | {ext_idle:<40} |")
     return "\n".join(lines)
 
 
@@ -923,12 +938,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.min_len}..{args.max_len}, output_last, {args.duration:.0f}s per cell, "
                   f"{os.cpu_count()} CPUs, device {args.device}, server {http_url} (gRPC {grpc_url or 'off'}), "
                   f"{args.frontends} front-end process(es), {args.engines} engine process(es)")
-            args.engine_ms = None
+            args.engine_ms = args.engine_paced_ms = None
             if tmp is not None:
                 seqs = make_sequences(args.pool, args.features, args.min_len, args.max_len)
-                args.engine_ms = engine_alone_ms(repo, args.device, seqs)
-                print(f"engine alone ({args.device}), one sequence per call: p50 {args.engine_ms:.3f} ms; "
-                      f"'p50 - engine' is what the service adds at concurrency 1")
+                args.engine_ms, args.engine_paced_ms = engine_alone_ms(repo, args.device, seqs)
+                print(f"engine alone ({args.device}), one sequence per call: p50 {args.engine_ms:.3f} ms back to "
+                      f"back, {args.engine_paced_ms:.3f} ms after 1 ms idle (as requests at concurrency 1 arrive); "
+                      f"'p50 - engine' is what the service adds at concurrency 1 over the back-to-back time")
             print(TABLE_HEAD, flush=True)
             rows = asyncio.run(bench(args, http_url, grpc_url, models))
         if args.scenario in ("all", "streams"):

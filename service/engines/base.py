@@ -129,6 +129,10 @@ class Launched:
         """Block until the device has finished this call and its copies to the host."""
         self.event.synchronize()
 
+    def ready(self) -> bool:
+        """Whether :meth:`wait` would return at once (the event's ``done``: a query, never a wait)."""
+        return bool(self.event.done)
+
 
 class Engine(ABC):
     """An engine runs one packed model; ``name`` appears in model metadata as the platform."""

@@ -256,12 +256,18 @@ class _HostEvent:
     """Stands in for a CUDA event: set when the (CPU) work is done."""
 
     def __init__(self) -> None:
-        self.done = threading.Event()
+        self.finished = threading.Event()
         self.waited_on: str | None = None
+        self.queried = 0
+
+    @property
+    def done(self) -> bool:
+        self.queried += 1
+        return self.finished.is_set()
 
     def synchronize(self) -> None:
         self.waited_on = threading.current_thread().name
-        assert self.done.wait(10)
+        assert self.finished.wait(10)
 
 
 class LaunchingEngine(LastOnlyEngine):
@@ -296,7 +302,7 @@ class LaunchingEngine(LastOnlyEngine):
                 box["out"] = self.forward(x, lengths, h0, c0, states_needed, last_only)
             if self.fail_wait:
                 box["out"] = None
-            event.done.set()
+            event.finished.set()
 
         threading.Thread(target=work).start()
 
@@ -410,11 +416,12 @@ class StreamEngine(LaunchingEngine):
 
         self.sizes.append(int(x.shape[0]))
         event, box = _HostEvent(), {}
+        self.events.append(event)
 
         def work():
             time.sleep(self.step_s * x.shape[1])
             box["out"] = self.forward(x, lengths, h0, c0, states_needed, last_only)
-            event.done.set()
+            event.finished.set()
 
         self._queue.put(work)
         return Launched(event, lambda: box["out"])
@@ -446,6 +453,44 @@ async def test_the_next_batch_is_formed_just_before_the_device_is_free():
     await asyncio.sleep(0.01)
     assert engine.sizes[-1] == 8  # launched while the first still runs
     await asyncio.gather(first, *full)
+    await sched.stop()
+    engine.close()
+
+
+async def test_a_lone_short_batch_is_waited_for_on_the_loop_and_a_long_one_on_a_worker_thread():
+    engine = StreamEngine(step_s=0.00001)  # 0.1 ms on the "device" for 10 steps (~1 ms with thread wake-ups)
+    sched = await _scheduler(engine, max_batch_size=8, max_queue_delay_us=0)
+    sched.inline_wait_s = 0.01  # this machine's thread wake-ups, not a GPU's: a wider bound than the server's
+    for seed in range(4):  # the device clock learns the time per step
+        await sched.submit(_work(10, seed=seed))
+    main = threading.current_thread().name
+    res = await sched.submit(_work(10, seed=5))
+    lone = engine.events[-1]
+    assert lone.waited_on is None and lone.queried >= 1  # polled from the loop, never handed to a thread
+    np.testing.assert_allclose(res["output"], engine.inner.forward(_work(10, seed=5).x).output, rtol=1e-6, atol=1e-7)
+    # the device turns slow (another model's work, say): the loop polls for a bounded time, then hands the wait over
+    engine.step_s = 0.01  # 100 ms, predicted ~1 ms
+    started = time.perf_counter()
+    ticks = []
+
+    async def ticker():
+        while time.perf_counter() - started < 0.12:
+            ticks.append(time.perf_counter())
+            await asyncio.sleep(0.0005)
+
+    res, _ = await asyncio.gather(sched.submit(_work(10, seed=6)), ticker())
+    slow = engine.events[-1]
+    assert slow.waited_on not in (None, main)
+    assert max(b - a for a, b in zip(ticks, ticks[1:])) < 0.05  # the loop was held ~11 ms at most, not 100
+    np.testing.assert_allclose(res["output"], engine.inner.forward(_work(10, seed=6).x).output, rtol=1e-6, atol=1e-7)
+    # a batch launched while requests still wait is not waited for on the loop: they need it to form the next
+    engine.step_s = 0.00001
+    held = len(engine.events)
+    works = [_work(10, seed=8 + k) for k in range(9)]  # one more than a batch holds
+    results = await asyncio.gather(*(sched.submit(w) for w in works))
+    assert engine.sizes[-2:] == [8, 1] and engine.events[held].waited_on not in (None, main)
+    for w, res in zip(works, results):
+        np.testing.assert_allclose(res["output"], engine.inner.forward(w.x).output, rtol=1e-6, atol=1e-7)
     await sched.stop()
     engine.close()
 
