@@ -464,12 +464,14 @@ async def test_a_lone_short_batch_is_waited_for_on_the_loop_and_a_long_one_on_a_
     for seed in range(4):  # the device clock learns the time per step
         await sched.submit(_work(10, seed=seed))
     main = threading.current_thread().name
+    await asyncio.sleep(0.005)  # the device idles a while, as between requests at low load
     res = await sched.submit(_work(10, seed=5))
     lone = engine.events[-1]
     assert lone.waited_on is None and lone.queried >= 1  # polled from the loop, never handed to a thread
     np.testing.assert_allclose(res["output"], engine.inner.forward(_work(10, seed=5).x).output, rtol=1e-6, atol=1e-7)
     # the device turns slow (another model's work, say): the loop polls for a bounded time, then hands the wait over
     engine.step_s = 0.01  # 100 ms, predicted ~1 ms
+    await asyncio.sleep(0.005)
     started = time.perf_counter()
     ticks = []
 
@@ -485,6 +487,7 @@ async def test_a_lone_short_batch_is_waited_for_on_the_loop_and_a_long_one_on_a_
     np.testing.assert_allclose(res["output"], engine.inner.forward(_work(10, seed=6).x).output, rtol=1e-6, atol=1e-7)
     # a batch launched while requests still wait is not waited for on the loop: they need it to form the next
     engine.step_s = 0.00001
+    await asyncio.sleep(0.005)
     held = len(engine.events)
     works = [_work(10, seed=8 + k) for k in range(9)]  # one more than a batch holds
     results = await asyncio.gather(*(sched.submit(w) for w in works))
