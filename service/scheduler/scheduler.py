@@ -41,9 +41,9 @@ An engine that ``launches`` (the cuDNN engine) has each batch merged and queued 
 the GPU from the event loop, and only the wait for the GPU runs on the worker thread;
 the results are split on the event loop again. The batch's host work then runs in one
 stretch: on a worker thread it had to win the GIL back from the busy event loop after
-every launch and copy (see :meth:`service.engines.cudnn.CudnnEngine.launch`). A lone short
-batch at low load is waited for on the event loop itself instead, which spares a request two
-thread wake-ups (see :meth:`Scheduler._wait_inline`).
+every launch and copy (see :meth:`service.engines.cudnn.CudnnEngine.launch`). A short batch
+is waited for by polling its event from the event loop instead, which spares a request two
+thread wake-ups (see :meth:`Scheduler._poll_device`).
 
 Stateful streams need nothing special here: the dataplane fills ``SequenceWork.h0/c0``
 from the :class:`~.streams.StreamStore` and keeps ``h_n/c_n`` from the result, and
@@ -72,10 +72,8 @@ from .device_clock import DeviceClock
 log = logging.getLogger("rnnserve.scheduler")
 
 _QUEUED, _RUNNING, _DROPPED = "queued", "running", "dropped"
-# The longest the event loop waits for a lone batch itself (see Scheduler._wait_inline); twice this at most.
+# Batches predicted done within this are waited for by polling from the event loop (Scheduler._poll_device).
 INLINE_WAIT_S = 1e-3
-# ... and only for a batch launched after the device had been idle this long (low load, not a busy moment).
-IDLE_BEFORE_S = 250e-6
 
 
 @dataclass(eq=False)
@@ -93,7 +91,7 @@ class _Waiting:
 class Scheduler:
     """Batches requests for one engine; ``submit`` returns the request's outputs by name."""
 
-    inline_wait_s = INLINE_WAIT_S  # see _wait_inline
+    inline_wait_s = INLINE_WAIT_S  # see _poll_device
 
     def __init__(self, engine: Any, model: str, version: str, *, max_batch_size: int, max_queue_delay_us: int,
                  max_queue_size: int, metrics: ServerMetrics | None = None) -> None:
@@ -119,8 +117,7 @@ class Scheduler:
         # Just-in-time forming of the next batch while one runs (see device_clock).
         self._clock = DeviceClock() if self._inflight > 1 and getattr(engine, "launches", False) else None
         self._holding = False
-        self._launched_in_flight = 0  # launched batches not yet waited for (see _wait_inline)
-        self._last_done = 0.0  # when the last launched batch's outputs were on the host
+        self._launched_in_flight = 0  # launched batches not yet waited for (see _poll_device)
         # Label lookups take a lock and hash the labels: bind this model's series once. The registry
         # removes the gauges only when the version goes away for good (not when a reload replaces it).
         self._series = None if metrics is None else SimpleNamespace(**{
@@ -335,7 +332,7 @@ class Scheduler:
             return merged, results, time.perf_counter() - start
 
     async def _launched_batch(self, parts: list[SequenceWork]) -> tuple[Any, list[dict[str, np.ndarray]], float]:
-        """Merge and launch on this thread, wait (see :meth:`_wait_inline`; else on a worker thread), split here
+        """Merge and launch on this thread, wait (see :meth:`_poll_device`; else on a worker thread), split here
         (see Engine ``launches``)."""
         start = time.perf_counter()
         merged, launched = launch_batch(self.engine, parts)
@@ -344,12 +341,11 @@ class Scheduler:
             self._clock.launched(start, returned, steps)
         self._launched_in_flight += 1
         try:
-            done = self._wait_inline(launched, start, returned)
+            done = await self._poll_device(launched, returned)
             if done is None:
                 done = await asyncio.get_running_loop().run_in_executor(self._executor, _wait, launched)
         finally:
             self._launched_in_flight -= 1
-        self._last_done = done
         if self._clock is not None:
             self._clock.finished(returned, done, steps)
         results = finish_batch(self.engine, merged, launched, parts)
@@ -358,31 +354,31 @@ class Scheduler:
         elapsed, self._busy_until = end - max(start, self._busy_until), end
         return merged, results, elapsed
 
-    def _wait_inline(self, launched: Any, started: float, returned: float) -> float | None:
-        """Wait for a lone, short batch on this thread; when its outputs were on the host, or None.
+    async def _poll_device(self, launched: Any, returned: float) -> float | None:
+        """Wait for a short batch by polling its event from the event loop; when its outputs were on the
+        host, or None (then a worker thread waits).
 
-        At low load a batch runs alone: the device was idle before it (:data:`IDLE_BEFORE_S`),
-        nothing waits in the queue and no other batch of this model is in flight, so nothing on
-        the event loop needs it meanwhile, and handing the wait
-        to a worker thread and the answer back to the loop only adds two thread wake-ups to the
-        request's latency (H100 host, one 20..200-step sequence after 1 ms idle: 0.48 ms waited here,
-        0.68 ms through a worker thread; bench/wait_path.py). The loop polls the device's event only
-        when the device clock predicts the batch done within ``inline_wait_s``, and for at most
-        that long again: a batch that takes longer (another model's work on the device) is handed to
-        the worker thread as usual, so the loop is never held for more than twice that. Under load the
-        loop's time is what batches are made of (reading front-ends' messages, merging, launching): a
-        first version without the idle condition waited on the loop whenever the queue was empty for a
-        moment, and binary HTTP at concurrency 64 lost a quarter of its throughput (H100 host, A/B).
+        A worker thread waiting for the device hands the answer back to the loop, and that costs a
+        request two thread wake-ups (H100 host, one 20..200-step sequence after 1 ms idle: 0.48 ms
+        waited on the loop, 0.68 ms through a worker thread; bench/wait_path.py). The loop instead
+        checks the batch's event once per iteration (a query, never a wait), so it keeps reading
+        front-ends' messages and forming batches meanwhile: a version that blocked the loop in the
+        wait lost binary HTTP a quarter of its throughput at concurrency 64 (H100 host, A/B), as
+        the loop's time is what batches are made of. An idle loop spins while it polls, so it polls
+        only batches that the device clock predicts done within ``inline_wait_s``, and for at most
+        that long again (a batch slowed by another model's work on the device goes to a worker thread),
+        and only a lone batch (nothing queued behind it, no other in flight): under load a loop
+        iteration is long, and the device clock would learn its delay as device time.
         """
         clock, bound = self._clock, self.inline_wait_s
         if (clock is None or clock.per_step is None or self._waiting or self._launched_in_flight > 1
-                or started - self._last_done < IDLE_BEFORE_S or clock.free_at - returned > bound):
+                or clock.free_at - returned > bound):
             return None
         give_up = time.perf_counter() + bound + max(0.0, clock.free_at - returned)
         while not launched.ready():
             if time.perf_counter() > give_up:
                 return None
-            time.sleep(0)  # lets other threads of this process (another model's waits) take the GIL
+            await asyncio.sleep(0)  # one loop iteration: I/O and callbacks run, then the event is queried again
         return time.perf_counter()
 
     async def _run(self, batch: list[_Waiting]) -> None:
