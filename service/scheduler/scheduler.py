@@ -72,8 +72,6 @@ from .device_clock import DeviceClock
 log = logging.getLogger("rnnserve.scheduler")
 
 _QUEUED, _RUNNING, _DROPPED = "queued", "running", "dropped"
-# Batches predicted done within this are waited for by polling from the event loop (Scheduler._poll_device).
-INLINE_WAIT_S = 1e-3
 
 
 @dataclass(eq=False)
@@ -91,7 +89,8 @@ class _Waiting:
 class Scheduler:
     """Batches requests for one engine; ``submit`` returns the request's outputs by name."""
 
-    inline_wait_s = INLINE_WAIT_S  # see _poll_device
+    # Batches predicted done within this many seconds are waited for by polling from the event loop (_poll_device).
+    inline_wait_s = 1e-3
 
     def __init__(self, engine: Any, model: str, version: str, *, max_batch_size: int, max_queue_delay_us: int,
                  max_queue_size: int, metrics: ServerMetrics | None = None) -> None:
@@ -374,7 +373,7 @@ class Scheduler:
         if (clock is None or clock.per_step is None or self._waiting or self._launched_in_flight > 1
                 or clock.free_at - returned > bound):
             return None
-        give_up = time.perf_counter() + bound + max(0.0, clock.free_at - returned)
+        give_up = time.perf_counter() + bound + max(0.0, clock.free_at - returned)  # predicted end, then the bound
         while not launched.ready():
             if time.perf_counter() > give_up:
                 return None
