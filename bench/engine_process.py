@@ -40,11 +40,17 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 
 class _Event:
+    """A launched batch's 'device' end, ``seconds`` after its launch (the scheduler may poll ``done``)."""
+
     def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+        self.end = time.perf_counter() + seconds
+
+    @property
+    def done(self) -> bool:
+        return time.perf_counter() >= self.end
 
     def synchronize(self) -> None:
-        time.sleep(self.seconds)
+        time.sleep(max(0.0, self.end - time.perf_counter()))
 
 
 class StandInEngine:

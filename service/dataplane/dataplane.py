@@ -58,16 +58,19 @@ class DataPlane:
 
     # ---- health and metadata -------------------------------------------------------------------------
 
-    def live(self) -> bool:
+    # Coroutines, as every transport awaits them: in a front-end process they are round trips to the
+    # engine process (service.dataplane.remote), which must not hold up the front-end's event loop.
+
+    async def live(self) -> bool:
         return True
 
-    def ready(self) -> bool:
+    async def ready(self) -> bool:
         return not self._stopping and self.registry.ready()
 
-    def server_metadata(self) -> dict:
+    async def server_metadata(self) -> dict:
         return {"name": "rnnserve", "version": __version__, "extensions": list(EXTENSIONS)}
 
-    def model_metadata(self, name: str, version: str = "") -> dict:
+    async def model_metadata(self, name: str, version: str = "") -> dict:
         served = self.registry.version(name, version)
         if served.model is None:
             self.registry.serving(name, version)  # raises Unavailable with the reason
@@ -82,7 +85,7 @@ class DataPlane:
             "outputs": [t.to_dict() for t in sig.outputs],
         }
 
-    def model_ready(self, name: str, version: str = "") -> bool:
+    async def model_ready(self, name: str, version: str = "") -> bool:
         try:
             served = self.registry.version(name, version)
         except Unavailable:  # a known model folder with no version to serve
@@ -251,8 +254,12 @@ class DataPlane:
 
     # ---- repository extension --------------------------------------------------------------------------------
 
-    def repository_index(self, ready_only: bool = False) -> list[dict]:
+    async def repository_index(self, ready_only: bool = False) -> list[dict]:
         return self.registry.index(ready_only)
+
+    async def render_metrics(self) -> bytes:
+        """The Prometheus exposition of this server's metrics (content type ``CONTENT_TYPE_LATEST``)."""
+        return self.metrics.render()
 
     async def load_model(self, name: str) -> None:
         await self.registry.load(name)

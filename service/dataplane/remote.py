@@ -30,13 +30,10 @@ import asyncio
 import itertools
 import logging
 import pickle
-import socket
 import struct
-import threading
 from functools import partial
 from typing import Any, Callable
 
-from ..metrics import CONTENT_TYPE_LATEST
 from ..errors import NotFound, RNNServeError, StaleModelView, Unavailable
 from ..wire import wire
 from .coalesce import ChunkLane, Lane
@@ -45,9 +42,9 @@ from .view import ModelView, prepare, respond
 
 log = logging.getLogger("rnnserve.dataplane.remote")
 _LENGTH = struct.Struct("<Q")
-ASYNC_METHODS = frozenset({"infer", "load_model", "unload_model"})
-SYNC_METHODS = frozenset({"live", "ready", "server_metadata", "model_metadata", "model_ready", "repository_index",
-                          "render_metrics", "model_view"})
+ASYNC_METHODS = frozenset({"infer", "load_model", "unload_model", "live", "ready", "server_metadata", "model_metadata",
+                           "model_ready", "repository_index", "render_metrics"})
+SYNC_METHODS = frozenset({"model_view"})
 
 
 def _frame(obj: Any) -> bytes:
@@ -160,11 +157,6 @@ class DataPlaneServer:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    def _call_sync(self, method: str, args: tuple) -> Any:
-        if method == "render_metrics":
-            return self.dataplane.metrics.render()
-        return getattr(self.dataplane, method)(*args)
-
     def _connection(self) -> FrameConnection:
         conn: FrameConnection
 
@@ -177,7 +169,8 @@ class DataPlaneServer:
                 self._submit_many(conn, msg_id, args)
                 return
             if method in ASYNC_METHODS:
-                # Concurrent: requests from one front-end must be able to batch together.
+                # Concurrent: requests from one front-end must be able to batch together, and a slow
+                # call (a load) must not hold up the others on the connection.
                 task = asyncio.get_running_loop().create_task(self._call_async(conn, msg_id, method, args))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -185,7 +178,7 @@ class DataPlaneServer:
             try:
                 if method not in SYNC_METHODS:
                     raise RNNServeError(f"unknown dataplane method '{method}'")
-                reply = (msg_id, True, self._call_sync(method, args))
+                reply = (msg_id, True, getattr(self.dataplane, method)(*args))
             except Exception as exc:  # noqa: BLE001 - the caller gets it
                 reply = (msg_id, False, _portable(exc))
             conn.send(reply)
@@ -239,55 +232,39 @@ class DataPlaneServer:
         conn.send(reply)
 
 
-class _RemoteMetrics:
-    """What the REST transport reads from ``dataplane.metrics``: the engine process's exposition."""
-
-    content_type = CONTENT_TYPE_LATEST
-
-    def __init__(self, remote: "RemoteDataPlane") -> None:
-        self._remote = remote
-
-    def render(self) -> bytes:
-        return self._remote._call_sync("render_metrics")
-
-
 class RemoteDataPlane:
     """The DataPlane interface in a front-end process, forwarding to the engine process.
 
-    Inference, load and unload are asynchronous calls multiplexed on one connection;
-    metadata and health calls are short blocking round trips on a second connection.
+    Every call is asynchronous and multiplexed on one connection. Health and metadata calls
+    were once blocking round trips on a second connection, which held up the front-end's
+    event loop for as long as the engine process took to answer (every second for the gRPC
+    health poller, and for every probe and metrics scrape); now nothing here blocks.
     """
 
     def __init__(self, path: str, on_lost: Any = None) -> None:
         self.path = path
         self._on_lost = on_lost  # called once when the engine process goes away
-        self.metrics = _RemoteMetrics(self)
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future] = {}
         self._conn: FrameConnection | None = None
         self._closing = False
-        self._sync_sock: socket.socket | None = None
-        self._sync_lock = threading.Lock()
         self._draining = False
         self._views: dict[tuple[str, str], ModelView] = {}
+        self._view_fetches: dict[tuple[str, str], asyncio.Future] = {}
         self._lanes: dict[tuple[str, str, int], Lane] = {}
         self._chunk_lanes: dict[tuple[str, str, int], ChunkLane] = {}
 
     async def connect(self) -> None:
-        """Open both connections to the engine process."""
+        """Open the connection to the engine process."""
         loop = asyncio.get_running_loop()
         _, self._conn = await loop.create_unix_connection(
             lambda: FrameConnection(self._on_reply, self._connection_lost), self.path)
-        self._sync_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sync_sock.connect(self.path)
 
     async def close(self) -> None:
         """Close the connections; calls still waiting fail with Unavailable."""
         self._closing = True
         if self._conn is not None:
             self._conn.close()
-        if self._sync_sock is not None:
-            self._sync_sock.close()
         self._fail_pending()
 
     def begin_drain(self) -> None:
@@ -328,46 +305,29 @@ class RemoteDataPlane:
     async def _call(self, method: str, *args: Any) -> Any:
         return await self._send(method, *args)
 
-    def _call_sync(self, method: str, *args: Any) -> Any:
-        with self._sync_lock:
-            if self._sync_sock is None:
-                raise Unavailable("the engine process is not reachable; the server is stopping")
-            self._sync_sock.sendall(_frame((0, method, args)))
-            header = self._recv_exactly(_LENGTH.size)
-            _, ok, value = pickle.loads(self._recv_exactly(_LENGTH.unpack(header)[0]))
-        if not ok:
-            raise value
-        return value
-
-    def _recv_exactly(self, n: int) -> bytes:
-        chunks, left = [], n
-        while left:
-            chunk = self._sync_sock.recv(left)
-            if not chunk:
-                raise Unavailable("the engine process closed the connection")
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-
     # -- the DataPlane interface -------------------------------------------------------------------
 
-    def live(self) -> bool:
-        return self._call_sync("live")
+    async def live(self) -> bool:
+        return await self._call("live")
 
-    def ready(self) -> bool:
-        return not self._draining and self._call_sync("ready")
+    async def ready(self) -> bool:
+        return not self._draining and await self._call("ready")
 
-    def server_metadata(self) -> dict:
-        return self._call_sync("server_metadata")
+    async def server_metadata(self) -> dict:
+        return await self._call("server_metadata")
 
-    def model_metadata(self, name: str, version: str = "") -> dict:
-        return self._call_sync("model_metadata", name, version)
+    async def model_metadata(self, name: str, version: str = "") -> dict:
+        return await self._call("model_metadata", name, version)
 
-    def model_ready(self, name: str, version: str = "") -> bool:
-        return self._call_sync("model_ready", name, version)
+    async def model_ready(self, name: str, version: str = "") -> bool:
+        return await self._call("model_ready", name, version)
 
-    def repository_index(self, ready_only: bool = False) -> list[dict]:
-        return self._call_sync("repository_index", ready_only)
+    async def repository_index(self, ready_only: bool = False) -> list[dict]:
+        return await self._call("repository_index", ready_only)
+
+    async def render_metrics(self) -> bytes:
+        """The engine process's Prometheus exposition."""
+        return await self._call("render_metrics")
 
     async def infer(self, request: InferRequest) -> InferResponse:
         """Validate here against the model's view, run in the engine process, answer here."""
@@ -375,10 +335,9 @@ class RemoteDataPlane:
         view = self._views.get(key)
         if view is None:
             try:
-                view = self._call_sync("model_view", *key)
+                view = await self._view(key)
             except RNNServeError:  # unknown or not ready: the engine process answers (and counts) it
                 return await self._call("infer", request)
-            self._views[key] = view
         try:
             prepared = prepare(request, view)
         except RNNServeError:
@@ -397,6 +356,20 @@ class RemoteDataPlane:
             self._forget(key, view)
             raise
         return respond(request, view, results)
+
+    async def _view(self, key: tuple[str, str]) -> ModelView:
+        """Fetch a model's view from the engine process: once, however many requests wait for it."""
+        fetch = self._view_fetches.get(key)
+        if fetch is None:
+            fetch = self._view_fetches[key] = self._send("model_view", *key)
+            fetch.add_done_callback(lambda f: self._fetched(key, f))
+        return await asyncio.shield(fetch)  # a cancelled request does not cancel the others' fetch
+
+    def _fetched(self, key: tuple[str, str], fetch: asyncio.Future) -> None:
+        if self._view_fetches.get(key) is fetch:
+            del self._view_fetches[key]
+        if not fetch.cancelled() and fetch.exception() is None:
+            self._views[key] = fetch.result()
 
     def _lane(self, key: tuple[str, str], view: ModelView) -> Lane:
         lane = self._lanes.get(key + (view.generation,))

@@ -26,23 +26,10 @@ import zlib
 from typing import Any, Sequence
 
 from ..errors import InvalidInput
-from ..metrics import CONTENT_TYPE_LATEST
 from ..metrics.merge import merge_expositions
 from .remote import RemoteDataPlane
 from .types import InferRequest, InferResponse
 from .validation import stream_request
-
-
-class _ShardedMetrics:
-    """What the REST transport reads from ``dataplane.metrics``: every engine process's series, added up."""
-
-    content_type = CONTENT_TYPE_LATEST
-
-    def __init__(self, shards: Sequence[RemoteDataPlane]) -> None:
-        self._shards = shards
-
-    def render(self) -> bytes:
-        return merge_expositions([shard.metrics.render() for shard in self._shards])
 
 
 def stream_shard(parameters: dict[str, Any], count: int) -> int | None:
@@ -82,7 +69,6 @@ class ShardedDataPlane:
         if not shards:
             raise ValueError("ShardedDataPlane needs at least one engine process")
         self.shards = list(shards)
-        self.metrics = _ShardedMetrics(self.shards)
         self._in_flight = [0] * len(self.shards)
         self._turn = 0
         self._draining = False
@@ -120,24 +106,28 @@ class ShardedDataPlane:
         finally:
             self._in_flight[k] -= 1
 
-    def live(self) -> bool:
-        return all(shard.live() for shard in self.shards)
+    async def live(self) -> bool:
+        return all(await asyncio.gather(*(shard.live() for shard in self.shards)))
 
-    def ready(self) -> bool:
-        return not self._draining and all(shard.ready() for shard in self.shards)
+    async def ready(self) -> bool:
+        return not self._draining and all(await asyncio.gather(*(shard.ready() for shard in self.shards)))
 
-    def server_metadata(self) -> dict:
-        return self.shards[0].server_metadata()
+    async def server_metadata(self) -> dict:
+        return await self.shards[0].server_metadata()
 
-    def model_metadata(self, name: str, version: str = "") -> dict:
-        return self.shards[0].model_metadata(name, version)
+    async def model_metadata(self, name: str, version: str = "") -> dict:
+        return await self.shards[0].model_metadata(name, version)
 
-    def model_ready(self, name: str, version: str = "") -> bool:
-        return all(shard.model_ready(name, version) for shard in self.shards)
+    async def model_ready(self, name: str, version: str = "") -> bool:
+        return all(await asyncio.gather(*(shard.model_ready(name, version) for shard in self.shards)))
 
-    def repository_index(self, ready_only: bool = False) -> list[dict]:
-        rows = merge_indexes([shard.repository_index(False) for shard in self.shards])
+    async def repository_index(self, ready_only: bool = False) -> list[dict]:
+        rows = merge_indexes(await asyncio.gather(*(shard.repository_index(False) for shard in self.shards)))
         return [r for r in rows if r["state"] == "READY"] if ready_only else rows
+
+    async def render_metrics(self) -> bytes:
+        """Every engine process's series, added up (:func:`~service.metrics.merge.merge_expositions`)."""
+        return merge_expositions(await asyncio.gather(*(shard.render_metrics() for shard in self.shards)))
 
     async def load_model(self, name: str) -> None:
         await self._everywhere("load_model", name)

@@ -52,13 +52,13 @@ class FakeDataPlane:
         self.unloaded: list[str] = []
         self.metadata_fails = False
 
-    def live(self) -> bool:
+    async def live(self) -> bool:
         return True
 
-    def ready(self) -> bool:
+    async def ready(self) -> bool:
         return self.is_ready
 
-    def server_metadata(self) -> dict:
+    async def server_metadata(self) -> dict:
         if self.metadata_fails:
             raise KeyError("version")
         return {"name": "rnnserve", "version": "0.1.0", "extensions": ["model_repository", "sequence"]}
@@ -67,7 +67,7 @@ class FakeDataPlane:
         if name != "double" and name not in self.FAILURES:
             raise NotFound(f"model '{name}' is not in the repository")
 
-    def model_metadata(self, name: str, version: str = "") -> dict:
+    async def model_metadata(self, name: str, version: str = "") -> dict:
         self._known(name)
         return {
             "name": name,
@@ -80,7 +80,7 @@ class FakeDataPlane:
             ],
         }
 
-    def model_ready(self, name: str, version: str = "") -> bool:
+    async def model_ready(self, name: str, version: str = "") -> bool:
         self._known(name)
         return name == "double"
 
@@ -109,7 +109,7 @@ class FakeDataPlane:
             ],
         )
 
-    def repository_index(self, ready_only: bool = False) -> list[dict]:
+    async def repository_index(self, ready_only: bool = False) -> list[dict]:
         models = [
             {"name": "double", "version": "1", "state": "READY", "reason": ""},
             {"name": "busy", "version": "", "state": "UNAVAILABLE", "reason": "unloaded"},

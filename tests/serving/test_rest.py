@@ -256,7 +256,7 @@ async def test_repository_index_load_unload(repo):
         assert r.status_code == 503 and r.json()["ready"] is False
         r = await client.post("/v2/models/lstm/infer", json={"inputs": [_inp()]})
         assert r.status_code == 503 and "model 'lstm' version 1 is not ready (state UNAVAILABLE: unloaded)" in r.json()["error"]
-        assert dataplane.ready()  # an unloaded model is not loadable, so the server stays ready
+        assert await dataplane.ready()  # an unloaded model is not loadable, so the server stays ready
 
         # a new version appears; load picks it up (version_policy latest)
         make_model(*LSTM, seed=9).save(repo, "lstm", 2)
@@ -283,7 +283,7 @@ async def test_broken_models_do_not_stop_others(repo):
     (repo / "corrupt" / "1").mkdir(parents=True)
     (repo / "corrupt" / "1" / "model.safetensors").write_bytes(b"\x01\x00")
     async with rest_client(repo) as (client, dataplane):
-        assert dataplane.ready()
+        assert await dataplane.ready()
         rows = {r["name"]: r for r in (await client.post("/v2/repository/index")).json()}
         assert rows["lstm"]["state"] == "READY"
         assert rows["empty"]["state"] == "UNAVAILABLE" and "has no version folder" in rows["empty"]["reason"]

@@ -11,6 +11,7 @@ import asyncio
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +71,8 @@ class EngineProcesses:
 
 
 @pytest_asyncio.fixture
-async def two_engines(tmp_path):
+async def engine_processes(tmp_path):
+    """(repository, EngineProcesses, a ShardedDataPlane over both)."""
     make_model(*LSTM, seed=5).save(tmp_path, "lstm", 1)
     write_config(tmp_path, "lstm", max_streams=64)
     folder = tempfile.mkdtemp(prefix="rnnserve-test-")  # Unix socket paths must stay short
@@ -79,11 +81,18 @@ async def two_engines(tmp_path):
         engines.start()
         sharded = ShardedDataPlane([RemoteDataPlane(server.path) for server in engines.servers])
         await sharded.connect()
-        yield tmp_path, engines.planes, sharded
+        yield tmp_path, engines, sharded
         await sharded.close()
     finally:
         engines.stop()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def two_engines(engine_processes):
+    """(repository, the two engine processes' DataPlanes, a ShardedDataPlane over both)."""
+    repo, engines, sharded = engine_processes
+    return repo, engines.planes, sharded
 
 
 def _request(x: np.ndarray, **parameters) -> InferRequest:
@@ -139,22 +148,68 @@ async def test_load_and_unload_reach_every_engine_process(two_engines):
     repo, planes, sharded = two_engines
     x = np.ones((1, 5, 4), np.float32)
     await sharded.unload_model("lstm")
-    assert not any(p.model_ready("lstm") for p in planes)
-    assert not sharded.model_ready("lstm")
+    assert not any([await p.model_ready("lstm") for p in planes])
+    assert not await sharded.model_ready("lstm")
     for _ in range(3):  # whichever process a request goes to, the model is gone
         with pytest.raises((NotFound, Unavailable)):
             await sharded.infer(_request(x))
     make_model(*LSTM, seed=9).save(repo, "lstm", 2)
     await sharded.load_model("lstm")
-    assert all(p.model_ready("lstm", "2") for p in planes) and sharded.model_ready("lstm")
+    assert all([await p.model_ready("lstm", "2") for p in planes]) and await sharded.model_ready("lstm")
     want = create_engine(load_model(repo / "lstm", 2), "cpu").forward(x).output
     for answer in await asyncio.gather(*(sharded.infer(_request(x)) for _ in range(6))):
         np.testing.assert_allclose(_output(answer), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(NotFound, match="nope"):
         await sharded.load_model("nope")
-    index = sharded.repository_index()
-    assert index == planes[0].repository_index() == planes[1].repository_index()  # as one process shows it
+    index = await sharded.repository_index()
+    assert index == await planes[0].repository_index() == await planes[1].repository_index()  # as one process shows it
     assert ("lstm", "2", "READY") in [(r["name"], r["version"], r["state"]) for r in index]
+
+
+async def _max_tick_gap(stop: asyncio.Event) -> float:
+    """The longest time this event loop went without running a 5 ms ticker, until ``stop``."""
+    gap, last = 0.0, time.perf_counter()
+    while not stop.is_set():
+        await asyncio.sleep(0.005)
+        now = time.perf_counter()
+        gap, last = max(gap, now - last), now
+    return gap
+
+
+@pytest.mark.asyncio
+async def test_a_slow_engine_process_does_not_hold_up_the_front_ends_event_loop(engine_processes):
+    """Health, metadata, metrics and a model's first request wait for the engine process without blocking:
+    a front-end's other requests (here a ticker) keep running while the engine processes are busy."""
+    repo, engines, sharded = engine_processes
+    fresh = RemoteDataPlane(sharded.shards[0].path)  # no model view fetched yet
+    await fresh.connect()
+    fetches = []
+    send = fresh._send
+    fresh._send = lambda method, *args: (fetches.append(method), send(method, *args))[1]
+    x = np.ones((1, 5, 4), np.float32)
+    want = create_engine(load_model(repo / "lstm", 1), "cpu").forward(x).output
+    try:
+        stop = asyncio.Event()
+        ticker = asyncio.create_task(_max_tick_gap(stop))
+        await asyncio.sleep(0.02)
+        start = time.perf_counter()
+        busy = threading.Event()
+        engines.loop.call_soon_threadsafe(lambda: (busy.set(), time.sleep(0.4)))  # both engine processes' loop
+        busy.wait(5)
+        ready, meta, text, *answers = await asyncio.gather(
+            sharded.ready(), sharded.model_metadata("lstm"), sharded.render_metrics(),
+            *(fresh.infer(_request(x)) for _ in range(4)))
+        waited = time.perf_counter() - start
+        stop.set()
+        gap = await ticker
+    finally:
+        await fresh.close()
+    assert ready and meta["name"] == "lstm" and b"rnnserve_requests_total" in text
+    for answer in answers:
+        np.testing.assert_allclose(_output(answer), want, rtol=1e-5, atol=1e-5)
+    assert waited >= 0.3  # the engine processes were busy for that long
+    assert gap < 0.2, f"the front-end's event loop was held for {gap * 1e3:.0f} ms"
+    assert fetches.count("model_view") == 1  # four first requests, one fetch of the model's view
 
 
 @pytest.mark.asyncio
@@ -163,7 +218,7 @@ async def test_metrics_of_every_engine_process_add_up(two_engines):
     x = np.ones((1, 5, 4), np.float32)
     await asyncio.gather(*(sharded.infer(_request(x)) for _ in range(9)))
     merged = {(s.name, tuple(sorted(s.labels.items()))): s.value
-              for f in text_string_to_metric_families(sharded.metrics.render().decode()) for s in f.samples}
+              for f in text_string_to_metric_families((await sharded.render_metrics()).decode()) for s in f.samples}
     success = (("model", "lstm"), ("outcome", "success"), ("version", "1"))
     assert merged[("rnnserve_requests_total", success)] == 9
     mv = (("model", "lstm"), ("version", "1"))

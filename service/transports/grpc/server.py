@@ -35,7 +35,7 @@ class ReadinessHealthServicer(health_aio.HealthServicer):
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         try:
-            status = serving if self._dataplane.ready() else not_serving
+            status = serving if await self._dataplane.ready() else not_serving
         except Exception:
             status = not_serving
         for service in ("", SERVICE_NAME):

@@ -39,22 +39,22 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self._stream_window = stream_window
 
     async def ServerLive(self, request, context):
-        return pb.ServerLiveResponse(live=self._dataplane.live())
+        return pb.ServerLiveResponse(live=await self._dataplane.live())
 
     async def ServerReady(self, request, context):
-        return pb.ServerReadyResponse(ready=self._dataplane.ready())
+        return pb.ServerReadyResponse(ready=await self._dataplane.ready())
 
     async def ModelReady(self, request, context):
-        return pb.ModelReadyResponse(ready=self._dataplane.model_ready(request.name, request.version))
+        return pb.ModelReadyResponse(ready=await self._dataplane.model_ready(request.name, request.version))
 
     async def ServerMetadata(self, request, context):
-        meta = self._dataplane.server_metadata()
+        meta = await self._dataplane.server_metadata()
         return pb.ServerMetadataResponse(
             name=meta["name"], version=str(meta["version"]), extensions=list(meta.get("extensions", []))
         )
 
     async def ModelMetadata(self, request, context):
-        meta = self._dataplane.model_metadata(request.name, request.version)
+        meta = await self._dataplane.model_metadata(request.name, request.version)
 
         def tensors(items):
             return [
@@ -141,7 +141,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelStreamInferResponse(infer_response=infer_response)
 
     async def RepositoryIndex(self, request, context):
-        models = self._dataplane.repository_index(ready_only=request.ready)
+        models = await self._dataplane.repository_index(ready_only=request.ready)
         return pb.RepositoryIndexResponse(
             models=[
                 pb.RepositoryIndexResponse.ModelIndex(

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ... import __version__
 from ...dataplane import DataPlane
 from ...errors import InvalidInput, RNNServeError
+from ...metrics import CONTENT_TYPE_LATEST
 from .codec import HEADER
 from .infer import InferFastPath, infer_response
 from .responses import error_response, read_body
@@ -74,27 +75,27 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
 
     @app.get("/v2/health/live", tags=["health"], summary="Server liveness")
     async def live() -> JSONResponse:
-        ok = dataplane.live()
+        ok = await dataplane.live()
         return JSONResponse({"live": ok}, status_code=200 if ok else 503)
 
     @app.get("/v2/health/ready", tags=["health"], summary="Server readiness (every loadable model is ready)")
     async def ready() -> JSONResponse:
-        ok = dataplane.ready()
+        ok = await dataplane.ready()
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     @app.get("/v2", tags=["metadata"], summary="Server metadata")
     async def server_metadata() -> dict:
-        return dataplane.server_metadata()
+        return await dataplane.server_metadata()
 
     @app.get("/v2/models/{model}", tags=["metadata"], summary="Model metadata (latest ready version)")
     @app.get("/v2/models/{model}/versions/{version}", tags=["metadata"], summary="Model metadata")
     async def model_metadata(model: str, version: str = "") -> dict:
-        return dataplane.model_metadata(model, version)
+        return await dataplane.model_metadata(model, version)
 
     @app.get("/v2/models/{model}/ready", tags=["health"], summary="Model readiness")
     @app.get("/v2/models/{model}/versions/{version}/ready", tags=["health"], summary="Model version readiness")
     async def model_ready(model: str, version: str = "") -> JSONResponse:
-        ok = dataplane.model_ready(model, version)
+        ok = await dataplane.model_ready(model, version)
         return JSONResponse({"name": model, "version": version, "ready": ok}, status_code=200 if ok else 503)
 
     # ---- inference -------------------------------------------------------------------------------------------
@@ -134,7 +135,7 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
     @app.post("/v2/repository/index", tags=["repository"], summary="List models, versions and states")
     async def repository_index(request: Request) -> list[dict]:
         doc = await _json_or_empty(request)
-        return dataplane.repository_index(bool(doc.get("ready", False)))
+        return await dataplane.repository_index(bool(doc.get("ready", False)))
 
     @app.post("/v2/repository/models/{model}/load", tags=["repository"], summary="Load or reload a model")
     async def load(model: str, request: Request) -> dict:
@@ -150,7 +151,7 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
 
     @app.get("/metrics", tags=["metrics"], summary="Prometheus metrics")
     async def metrics() -> Response:
-        return Response(dataplane.metrics.render(), media_type=dataplane.metrics.content_type)
+        return Response(await dataplane.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     return InferFastPath(app, dataplane, max_request_bytes)
 
