@@ -31,8 +31,8 @@ from service.repository import load_model
 from serving_support import LSTM, make_model, metric_value, write_config
 
 class EngineProcesses:
-    """Two DataPlanes served on Unix sockets from their own thread and event loop (as engine processes
-    would be: a front-end's metadata calls block on their socket, so they cannot share its loop)."""
+    """Two DataPlanes served on Unix sockets from their own thread and event loop, apart from the
+    front-end's loop as engine processes are (a test can keep that loop busy, as a busy engine process)."""
 
     def __init__(self, repo: Path, folder: str) -> None:
         self.repo, self.folder = repo, folder
