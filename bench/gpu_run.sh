@@ -37,7 +37,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   timeout 270 python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
 fi
 if [ "$what" = all ] || [ "$what" = serve ]; then
-  timeout 400 python3 bench/serve.py --device cuda ${SERVE_ARGS:---frontends 6} --out "$OUT/serve_gpu.json" 2>&1 | tee "$OUT/serve_gpu.log" || rc=1
+  timeout 400 python3 bench/serve.py --device cuda ${SERVE_ARGS:---frontends 8} --out "$OUT/serve_gpu.json" 2>&1 | tee "$OUT/serve_gpu.log" || rc=1
 fi
 if [ "$what" = all ] || [ "$what" = engine ]; then
   timeout 310 python3 bench/gpu_engine.py --out "$OUT/gpu_engine.json" 2>&1 | tee "$OUT/gpu_engine.log" || rc=1
