@@ -4,11 +4,11 @@
 # wheels it lacks travel in .gpu-wheels (FastAPI, uvicorn, pydantic, tritonclient, grpcio...).
 #   usage (device tool, carry .gpu-wheels):  bash bench/gpu_run.sh [tests|serve|engine|profile|cprofile|stalls|engines|all]
 # ENGINES=N: engine processes of the servers started here (rnnserve serve --engines N; default 1).
-# profile: py-spy samples (per thread) of the engine process of `rnnserve serve --frontends 6` under
+# profile: py-spy samples (per thread) of the engine process of `rnnserve serve --frontends 8` under
 # binary-HTTP and gRPC load at concurrency 64 (CONC=) and under 256 paced streams (py-spy wheel in .gpu-wheels): all
 # threads, then only the thread holding the GIL (--gil). PROTOS picks the loads (default: all three);
 # SPY_NATIVE=1 adds C frames (CPython, uvloop, CuPy, the CUDA driver) to the all-threads profile.
-# cprofile: the engine process of `rnnserve serve --frontends 6` under cProfile (its event-loop thread) through
+# cprofile: the engine process of `rnnserve serve --frontends 8` under cProfile (its event-loop thread) through
 # binary-HTTP load at concurrency 64 on the batching and the non-batching model and 256 paced streams, then
 # bench/engine_process.py (the engine process's cost per request with a stand-in engine, as on the CPU VM).
 set -uo pipefail
@@ -47,7 +47,7 @@ if [ "$what" = profile ]; then
   spy=/tmp/site/bin/py-spy
   profile_repository
   python3 -m service.cli serve --repository /tmp/prepo --host 127.0.0.1 --http-port 18000 --grpc-port 18001 \
-    --device cuda --frontends ${FRONTENDS:-6} --engines ${ENGINES:-1} --log-level warning > "$OUT/profile_server.log" 2>&1 &
+    --device cuda --frontends ${FRONTENDS:-8} --engines ${ENGINES:-1} --log-level warning > "$OUT/profile_server.log" 2>&1 &
   spid=$!
   wait_ready
   for proto in ${PROTOS:-http-binary grpc streams}; do
@@ -84,7 +84,7 @@ fi
 if [ "$what" = cprofile ]; then
   profile_repository
   python3 -m cProfile -o "$OUT/engine.prof" -m service.cli serve --repository /tmp/prepo --host 127.0.0.1 \
-    --http-port 18000 --grpc-port 18001 --device cuda --frontends ${FRONTENDS:-6} --engines ${ENGINES:-1} --log-level warning \
+    --http-port 18000 --grpc-port 18001 --device cuda --frontends ${FRONTENDS:-8} --engines ${ENGINES:-1} --log-level warning \
     > "$OUT/cprofile_server.log" 2>&1 &
   spid=$!
   wait_ready
@@ -107,7 +107,7 @@ if [ "$what" = engines ]; then
   for round in 1 2; do
     for e in 1 2; do
       echo "== round $round, --engines $e" | tee -a "$OUT/engines_ab.log"
-      timeout 150 python3 bench/serve.py --device cuda --frontends ${FRONTENDS:-6} --engines $e --scenario requests \
+      timeout 150 python3 bench/serve.py --device cuda --frontends ${FRONTENDS:-8} --engines $e --scenario requests \
         --protocols ${PROTOS:-http-binary,grpc} --concurrency 1,64 2>&1 | tee -a "$OUT/engines_ab.log" || rc=1
     done
   done
@@ -117,7 +117,7 @@ if [ "$what" = stalls ]; then
   # loops, with timestamps and front-end pids) go to stalls_server.log; stalls_times.log: when each pass ended
   profile_repository
   python3 -m service.cli serve --repository /tmp/prepo --host 127.0.0.1 --http-port 18000 --grpc-port 18001 \
-    --device cuda --frontends ${FRONTENDS:-6} --engines ${ENGINES:-1} --log-level ${LOG_LEVEL:-info} > "$OUT/stalls_server.log" 2>&1 &
+    --device cuda --frontends ${FRONTENDS:-8} --engines ${ENGINES:-1} --log-level ${LOG_LEVEL:-info} > "$OUT/stalls_server.log" 2>&1 &
   spid=$!
   wait_ready
   date +%T.%N > "$OUT/stalls_times.log"

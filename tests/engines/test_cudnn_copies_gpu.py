@@ -127,3 +127,34 @@ def test_pooled_chunks_in_float16(cp):
         check_pooled_chunks(eng, ReferenceEngine(m, dtype=np.float64), rtol=1e-2, atol=1e-2)
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("layout", ["whole", "first rows", "first steps", "rows and steps", "sequence-major rows"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_results_download_as_they_lie_in_a_larger_buffer(cp, layout, dtype):
+    """A graph of a bucketed shape leaves its outputs in the first rows / steps of a larger buffer; they reach
+    the host equal to the view, with no copy kernel of CuPy's (compiled on first use) in between."""
+    from service.engines.cudnn.transfer import Converter, blocks_with_pitch, download_results
+
+    n, t, f, rows, steps = 5, 7, 13, 8, 12
+    host = (np.arange(rows * steps * f) % 997).astype(dtype).reshape(rows, steps, f)
+    buf = cp.asarray(host)
+    seq = cp.asarray(np.ascontiguousarray(host.transpose(1, 0, 2)))  # [steps, rows, f]
+    y = {"whole": buf, "first rows": buf[:n], "first steps": buf[:, :t], "rows and steps": buf[:n, :t],
+         "sequence-major rows": seq[:t, :n].transpose(1, 0, 2)}[layout]
+    assert blocks_with_pitch(y) or blocks_with_pitch(y.transpose(1, 0, 2))
+    hy = cp.asarray(np.ones((2, n, 3), dtype))
+    stream = cp.cuda.Stream(non_blocking=True)
+    calls = []
+    real = cp.ascontiguousarray
+    cp.ascontiguousarray = lambda *a, **k: (calls.append(a), real(*a, **k))[1]
+    try:
+        launched = download_results(cp, Converter(cp, "float16" if dtype == np.float16 else "float32"), stream,
+                                    False, y, hy, None, np.dtype(dtype), last_only=False)
+    finally:
+        cp.ascontiguousarray = real
+    launched.wait()
+    out = launched.finish()
+    assert not calls
+    np.testing.assert_array_equal(out.output, cp.asnumpy(y))
+    np.testing.assert_array_equal(out.h_n, np.ones((n, 2, 3), dtype))

@@ -159,10 +159,25 @@ class HostStaging:
         return [cp.ndarray(arr.shape, dtype=dtype, memptr=dev.data + off) for (arr, dtype), off in zip(arrays, offsets)]
 
 
-def download_async(cp, arrays: list, stream) -> list[np.ndarray]:
-    """Queue copies of device arrays (C-contiguous) into pinned host memory on ``stream``.
+def blocks_with_pitch(a: Any) -> bool:
+    """Whether 3-D ``a`` is ``a.shape[0]`` contiguous blocks of ``a[0].size`` elements at a fixed pitch.
 
-    Returns NumPy arrays over that memory; they hold the results once the stream has
+    That is a C-contiguous array or a slice of one along axes 0 and 1 (the first rows of a padded
+    graph buffer, the first steps of a longer output), which :func:`download_async` copies as one
+    2-D copy, pitch to packed, with no device kernel.
+    """
+    if a.ndim != 3 or a.size == 0:
+        return a.ndim == 3
+    item = a.itemsize
+    return (a.strides[2] == item and a.strides[1] == a.shape[2] * item
+            and a.strides[0] >= a.shape[1] * a.strides[1])
+
+
+def download_async(cp, arrays: list, stream) -> list[np.ndarray]:
+    """Queue copies of device arrays (C-contiguous, or 3-D :func:`blocks_with_pitch`) into pinned host
+    memory on ``stream``.
+
+    Returns C-contiguous NumPy arrays over that memory; they hold the results once the stream has
     passed the copies (record an event after this call and wait on it).
     """
     out = []
@@ -170,8 +185,14 @@ def download_async(cp, arrays: list, stream) -> list[np.ndarray]:
         nbytes = a.nbytes
         mem = cp.cuda.alloc_pinned_memory(max(nbytes, 1))
         host = np.frombuffer(mem, dtype=a.dtype, count=a.size).reshape(a.shape)
-        if nbytes:
+        if nbytes and a.flags.c_contiguous:
             cp.cuda.runtime.memcpyAsync(host.ctypes.data, a.data.ptr, nbytes, _D2H, stream.ptr)
+        elif nbytes:
+            if not blocks_with_pitch(a):
+                raise ValueError(f"cannot download a {a.shape} array with strides {a.strides} in one copy")
+            width = a.shape[1] * a.strides[1]
+            cp.cuda.runtime.memcpy2DAsync(host.ctypes.data, width, a.data.ptr, a.strides[0], width, a.shape[0],
+                                          _D2H, stream.ptr)
         out.append(host)
     return out
 
@@ -186,10 +207,14 @@ def download_results(cp, conv, stream, blocking_sync: bool, y, hy, cy, out_dtype
     y = conv.from_store(y, out_dtype)
     hy = None if hy is None else conv.from_store(hy, out_dtype)
     cy = None if cy is None else conv.from_store(cy, out_dtype)
-    # A sequence-major result is a transposed view of a contiguous [T, B, F] buffer: copy that
-    # buffer and hand back the same view of it on the host.
-    transposed = y.ndim == 3 and not y.flags.c_contiguous and y.transpose(1, 0, 2).flags.c_contiguous
-    if not transposed and not y.flags.c_contiguous:
+    # A sequence-major result is a transposed view of a [T, B, F] buffer (or of its first B rows):
+    # copy that and hand back the same view of it on the host. Results that are the first rows or
+    # steps of a larger buffer (a graph of a bucketed shape) are copied as they lie, pitch to packed:
+    # making them contiguous on the device first cost a copy kernel, which CuPy compiled on a shape's
+    # first call (NVRTC, 100-150 ms on an H100 host, while every request waited; bench/first_calls.py).
+    transposed = (y.ndim == 3 and not y.flags.c_contiguous and not blocks_with_pitch(y)
+                  and blocks_with_pitch(y.transpose(1, 0, 2)))
+    if not transposed and not (y.flags.c_contiguous or blocks_with_pitch(y)):
         y = cp.ascontiguousarray(y)
     arrays = [a for a in (y.transpose(1, 0, 2) if transposed else y, hy, cy) if a is not None]
     host = download_async(cp, arrays, stream)
