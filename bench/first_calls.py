@@ -40,6 +40,8 @@ def main() -> int:
     p.add_argument("--batches", type=lambda s: [int(v) for v in s.split(",")],
                    default=[1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64])
     p.add_argument("--steps", type=int, default=10, help="time steps per chunk (default 10)")
+    p.add_argument("--precision", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="the cuDNN engine's storage precision (default: the model's config, float32)")
     args = p.parse_args()
 
     import serve
@@ -51,7 +53,8 @@ def main() -> int:
     serve.write_stream_model(repo, 40, 256, 2)
     model = load_model(repo / "bench_stream", 1)
     start = time.perf_counter()
-    engine = create_engine(model, args.device, blocking_sync=True)
+    options = {"precision": args.precision} if args.device == "cuda" and args.precision else {}
+    engine = create_engine(model, args.device, blocking_sync=True, **options)
     load_ms = 1e3 * (time.perf_counter() - start)
     import gc
 
@@ -69,7 +72,7 @@ def main() -> int:
     if args.device == "cuda":
         free, total = engine._cp.cuda.runtime.memGetInfo()
         in_use = f" ({(total - free) / 2**20:.0f} MiB of device memory in use)"
-    print(f"first calls: LSTM I=40 H=256 L=2 on {engine.name}, loaded in {load_ms:.0f} ms{in_use}, "
+    print(f"first calls: LSTM I=40 H=256 L=2 on {engine.name} ({getattr(engine, 'precision', 'float32')}), loaded in {load_ms:.0f} ms{in_use}, "
           f"{args.steps}-step chunks, equal lengths; ms per call (outputs on the host)")
     print("| batch | stateful 1st | stateful 2nd | stateless 1st | stateless 2nd |")
     print("|--:|--:|--:|--:|--:|")
