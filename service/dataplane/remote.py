@@ -47,9 +47,10 @@ ASYNC_METHODS = frozenset({"infer", "load_model", "unload_model", "live", "ready
 SYNC_METHODS = frozenset({"model_view"})
 
 
-def _frame(obj: Any) -> bytes:
+def frame_parts(obj: Any) -> tuple[bytes, bytes]:
+    """One frame of the wire format as (length, body); writers join frames once, not per frame."""
     data = pickle.dumps(obj, protocol=5)
-    return _LENGTH.pack(len(data)) + data
+    return _LENGTH.pack(len(data)), data
 
 
 class FrameConnection(asyncio.Protocol):
@@ -102,8 +103,7 @@ class FrameConnection(asyncio.Protocol):
             return
         if not self._out:
             asyncio.get_running_loop().call_soon(self._flush)
-        data = pickle.dumps(obj, protocol=5)
-        self._out += (_LENGTH.pack(len(data)), data)  # joined once in _flush: no copy per frame here
+        self._out += frame_parts(obj)  # joined once in _flush: no copy per frame here
 
     def _flush(self) -> None:
         if self._out and not self.closed and self.transport is not None:
@@ -261,7 +261,7 @@ class RemoteDataPlane:
             lambda: FrameConnection(self._on_reply, self._connection_lost), self.path)
 
     async def close(self) -> None:
-        """Close the connections; calls still waiting fail with Unavailable."""
+        """Close the connection; calls still waiting fail with Unavailable."""
         self._closing = True
         if self._conn is not None:
             self._conn.close()

@@ -74,11 +74,11 @@ def test_results_travel_as_plain_arrays():
 
 @pytest.mark.parametrize("cut", [1, 7, 1000, None])
 def test_frames_split_anywhere_arrive_whole_and_in_order(cut):
-    from service.dataplane.remote import FrameConnection, _frame
+    from service.dataplane.remote import FrameConnection, frame_parts
 
     rng = np.random.default_rng(0)
     sent = [(k, "submit", (wire(rng.standard_normal((k + 1, 3, 2)).astype(np.float32)),)) for k in range(6)]
-    stream = b"".join(_frame(m) for m in sent)
+    stream = b"".join(part for m in sent for part in frame_parts(m))
     got = []
     conn = FrameConnection(got.append)
     if cut is None:  # two reads: all but the last 5 bytes, then the rest

@@ -212,9 +212,9 @@ def download_results(cp, conv, stream, blocking_sync: bool, y, hy, cy, out_dtype
     # steps of a larger buffer (a graph of a bucketed shape) are copied as they lie, pitch to packed:
     # making them contiguous on the device first cost a copy kernel, which CuPy compiled on a shape's
     # first call (NVRTC, 100-150 ms on an H100 host, while every request waited; bench/first_calls.py).
-    transposed = (y.ndim == 3 and not y.flags.c_contiguous and not blocks_with_pitch(y)
-                  and blocks_with_pitch(y.transpose(1, 0, 2)))
-    if not transposed and not (y.flags.c_contiguous or blocks_with_pitch(y)):
+    as_it_lies = y.flags.c_contiguous or blocks_with_pitch(y)
+    transposed = not as_it_lies and y.ndim == 3 and blocks_with_pitch(y.transpose(1, 0, 2))
+    if not (as_it_lies or transposed):
         y = cp.ascontiguousarray(y)
     arrays = [a for a in (y.transpose(1, 0, 2) if transposed else y, hy, cy) if a is not None]
     host = download_async(cp, arrays, stream)
