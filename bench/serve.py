@@ -198,6 +198,58 @@ async def run_cell_raw(send, payloads: list, concurrency: int, duration: float,
     return latencies, errors
 
 
+def run_cell_threads(send, payloads: list, concurrency: int, duration: float,
+                     warmup: float, meter: dict | None = None) -> tuple[list[float], int]:
+    """:func:`run_cell_raw` for a blocking ``send(payload, worker)``: one thread per closed-loop worker.
+
+    A blocking gRPC client (tritonclient.grpc, grpc's sync stubs) waits for its answer on the calling
+    thread; grpc.aio hands every answer from its poller thread to the event loop, one thread wake-up
+    more per call on the client's side of each measured latency."""
+    import threading
+
+    latencies: list[float] = []
+    errors = 0
+    lock = threading.Lock()
+    start = time.perf_counter()
+    measure_from = start + warmup
+    stop_at = measure_from + duration
+
+    def worker(k: int) -> None:
+        nonlocal errors
+        mine, bad, i = [], 0, k
+        while True:
+            t0 = time.perf_counter()
+            if t0 >= stop_at:
+                break
+            try:
+                send(payloads[i % len(payloads)], k)
+                ok = True
+            except Exception:  # noqa: BLE001 - counted
+                ok = False
+            t1 = time.perf_counter()
+            if t0 >= measure_from:
+                if ok:
+                    mine.append(t1 - t0)
+                else:
+                    bad += 1
+            i += concurrency
+        with lock:
+            latencies.extend(mine)
+            errors += bad
+
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(concurrency)]
+    for t in threads:
+        t.start()
+    if meter is not None:
+        time.sleep(max(0.0, measure_from - time.perf_counter()))
+        cpu0, wall0 = time.process_time(), time.time()
+        time.sleep(max(0.0, stop_at - time.perf_counter()))
+        meter.update(cpu_s=time.process_time() - cpu0, start=wall0, end=time.time())
+    for t in threads:
+        t.join()
+    return latencies, errors
+
+
 def http_sender(session, url: str, model: str, binary: bool):
     """aiohttp (--client standard)."""
     path = f"http://{url}/v2/models/{model}/infer"
@@ -316,6 +368,35 @@ def lean_grpc_sender(client_channel, model: str):
     return prepare, send
 
 
+def lean_grpc_sync_sender(channels: list, model: str):
+    """:func:`lean_grpc_sender` over grpc's blocking stubs (--protocols grpc-sync); worker k uses channel k mod n."""
+    from service.transports.grpc.generated import inference_pb2 as pb
+
+    calls = [ch.unary_unary("/inference.GRPCInferenceService/ModelInfer") for ch in channels]
+    prepare, _ = lean_grpc_sender(channels[0], model)
+
+    def send(raw: bytes, worker: int) -> None:
+        resp = pb.ModelInferResponse.FromString(calls[worker % len(calls)](raw))
+        np.frombuffer(resp.raw_output_contents[0], dtype=np.float32)
+
+    return prepare, send
+
+
+def standard_grpc_sync_sender(grpc_url: str, model: str):
+    """tritonclient.grpc (blocking), one client per worker (--client standard, --protocols grpc-sync)."""
+    import tritonclient.grpc as tg
+
+    clients: dict[int, tg.InferenceServerClient] = {}
+
+    def send(x: np.ndarray, worker: int) -> None:
+        client = clients.get(worker) or clients.setdefault(worker, tg.InferenceServerClient(grpc_url))
+        inp = tg.InferInput("input", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        client.infer(model, [inp], outputs=[tg.InferRequestedOutput("output_last")])
+
+    return send, clients
+
+
 def engine_alone_ms(repo: Path, device: str, seqs: list[np.ndarray], repeats: int = 5,
                     idle_s: float = 1e-3) -> tuple[float, float]:
     """Median time of the engine itself on each single request's sequence, in this process:
@@ -360,9 +441,11 @@ async def _client_cell(cell: dict, meter: dict | None = None) -> tuple[list[floa
     """One load-generating process's share of a cell: (latencies in s, errors); ``meter`` as in run_cell_raw."""
     seqs = make_sequences(cell["pool"], cell["features"], cell["min_len"], cell["max_len"], seed=cell["seed"])
     protocol = cell["protocol"]
-    payloads = {"http-json": lambda: [json_body(x) for x in seqs],
-                "http-binary": lambda: [binary_body(x) for x in seqs], "grpc": lambda: seqs}[protocol]()
+    payloads = {"http-json": lambda: [json_body(x) for x in seqs], "http-binary": lambda: [binary_body(x) for x in seqs],
+                "grpc": lambda: seqs, "grpc-sync": lambda: seqs}[protocol]()
     run = (cell["concurrency"], cell["duration"], cell["warmup"], meter)
+    if protocol == "grpc-sync":
+        return await asyncio.to_thread(_grpc_sync_cell, cell, payloads, run)
     if cell["client"] == "lean":
         if protocol == "grpc":
             import grpc
@@ -395,6 +478,27 @@ async def _client_cell(cell: dict, meter: dict | None = None) -> tuple[list[floa
                 await client.close()
         send = http_sender(session, cell["http_url"], cell["model"], protocol == "http-binary")
         return await run_cell_raw(send, payloads, *run)
+
+
+def _grpc_sync_cell(cell: dict, payloads: list, run: tuple) -> tuple[list[float], int]:
+    """A grpc-sync cell on worker threads (see :func:`run_cell_threads`)."""
+    import grpc
+
+    if cell["client"] != "lean":
+        send, clients = standard_grpc_sync_sender(cell["grpc_url"], cell["model"])
+        try:
+            return run_cell_threads(send, payloads, *run)
+        finally:
+            for client in clients.values():
+                client.close()
+    channels = [grpc.insecure_channel(cell["grpc_url"], options=OWN_CONNECTION)
+                for _ in range(grpc_connections(cell["concurrency"]))]
+    try:
+        prepare, send = lean_grpc_sync_sender(channels, cell["model"])
+        return run_cell_threads(send, [prepare(p) for p in payloads], *run)
+    finally:
+        for ch in channels:
+            ch.close()
 
 
 # gRPC channels of one process to one target share a connection unless told otherwise; the clients of
@@ -508,7 +612,7 @@ async def bench(args: argparse.Namespace, http_url: str, grpc_url: str | None, m
     rows = []
     for round_ in range(1, args.repeat + 1):
         for protocol in args.protocols:
-            if protocol == "grpc" and not grpc_url:
+            if protocol.startswith("grpc") and not grpc_url:
                 print("skipping gRPC: the server has no gRPC port", file=sys.stderr)
                 continue
             for model in models:
@@ -877,7 +981,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-len", type=int, default=20)
     p.add_argument("--max-len", type=int, default=200)
     p.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 8, 64])
-    p.add_argument("--protocols", type=lambda s: s.split(","), default=["http-json", "http-binary", "grpc"])
+    p.add_argument("--protocols", type=lambda s: s.split(","), default=["http-json", "http-binary", "grpc"],
+                   help="of http-json, http-binary, grpc (grpc.aio client), grpc-sync (a blocking gRPC client on "
+                        "threads, as tritonclient.grpc: one thread hand-off less per call on the client's side)")
     p.add_argument("--duration", type=float, default=3.0, help="measured seconds per cell (default 3)")
     p.add_argument("--warmup", type=float, default=0.5, help="unmeasured seconds per cell (default 0.5)")
     p.add_argument("--pool", type=int, default=64, help="distinct pre-built requests (default 64)")

@@ -17,6 +17,7 @@ from ..errors import RNNServeError, StaleModelView, Unavailable
 from ..metrics import ServerMetrics, observe_many
 from ..registry import ModelRegistry, ModelState, ServedVersion
 from ..scheduler import SequenceWork
+from ..scheduler.streams import StreamState
 from .signature import ModelSignature
 from .types import InferRequest, InferResponse
 from .validation import StreamRequest
@@ -147,7 +148,7 @@ class DataPlane:
             if prepared.stream is None:
                 fut = served.scheduler.enqueue(prepared.work, prepared.deadline, prepared.requests)
             else:
-                fut = asyncio.ensure_future(self._stream_chunk(served, prepared.stream, prepared.work, prepared.deadline))
+                fut = self._stream_chunk(served, prepared.stream, prepared.work, prepared.deadline)
         except RNNServeError as exc:
             self._count(served.name, served.label, exc.status.lower(), prepared.requests)
             raise
@@ -185,8 +186,8 @@ class DataPlane:
                 served.config.max_sequence_length, served.config.max_batch_size)
         return view
 
-    async def _stream_chunk(self, served: ServedVersion, stream: StreamRequest, work: SequenceWork,
-                            deadline: float | None) -> dict:
+    def _stream_chunk(self, served: ServedVersion, stream: StreamRequest, work: SequenceWork,
+                      deadline: float | None) -> asyncio.Future:
         """Run one chunk of a stream from the state the previous chunk left (or its own h_0/c_0); keep the new state.
 
         The state stays in the stream's slot of the engine's state pool (GPU memory for the
@@ -194,37 +195,60 @@ class DataPlane:
         and scatters the new ones back (see :mod:`service.scheduler.batching`). A first chunk
         starts from its own h_0/c_0 (validation lets only first chunks carry them) or zeros.
 
-        A task and a lock per chunk keep a stream's chunks in order. Callbacks and a per-stream
-        queue instead were tried: no difference measured in the engine process's time per chunk
-        or in chunk latency (bench/engine_process.py --streams 256 --paced-ms 100), so the simpler
-        form stays. A chunk cancelled while it waits for the lock changes nothing; one cancelled
-        once queued or running ends its stream (its state may or may not include the chunk).
+        The stream's :class:`~service.scheduler.streams.Turn` keeps its chunks in order: a chunk
+        that finds it free is queued now (the returned future is the scheduler's, settled by a
+        done-callback); one behind an earlier chunk of its stream waits in a task. A chunk
+        cancelled while it waits for its turn changes nothing; one cancelled once queued or running
+        ends its stream (its state may or may not include the chunk).
         """
+        state = served.streams.open(stream.key, stream.start)
+        if state.turn.take_now():
+            return self._queue_chunk(served, state, stream, work, deadline)
+        return asyncio.ensure_future(self._chunk_after_turn(served, state, stream, work, deadline))
+
+    async def _chunk_after_turn(self, served: ServedVersion, state: StreamState, stream: StreamRequest,
+                                work: SequenceWork, deadline: float | None) -> dict:
+        await state.turn.take()
+        return await self._queue_chunk(served, state, stream, work, deadline)
+
+    def _queue_chunk(self, served: ServedVersion, state: StreamState, stream: StreamRequest, work: SequenceWork,
+                     deadline: float | None) -> asyncio.Future:
+        """Queue a chunk whose stream's turn it holds; :meth:`_chunk_done` passes the turn on."""
         store = served.streams
-        state = store.open(stream.key, stream.start)
-        async with state.lock:
+        try:
             store.check_live(state)
             work.pool, work.slot, work.resume = store.pool, state.slot, not stream.start
-            state.running = True
-            try:
-                results = await served.scheduler.submit(work, deadline)
-            except asyncio.CancelledError:
-                store.close(state, "was ended because one of its chunks was cancelled before it was answered (the "
-                                   "client went away), so its state is unknown", "error")
-                raise
-            except BaseException:
-                if stream.start:
-                    store.close(state, "failed on its first chunk", "error")
-                raise
-            finally:
-                state.running = False
-                store.settle(state)
+            fut = served.scheduler.enqueue(work, deadline)
+        except BaseException:
+            if stream.start:
+                store.close(state, "failed on its first chunk", "error")
+            state.turn.give()
+            raise
+        state.running = True
+        # Registered first, so the stream is settled before anyone is answered (a client's next
+        # chunk can only follow the answer).
+        fut.add_done_callback(partial(self._chunk_done, served, state, stream, work.steps))
+        return fut
+
+    def _chunk_done(self, served: ServedVersion, state: StreamState, stream: StreamRequest, steps: int,
+                    fut: asyncio.Future) -> None:
+        store = served.streams
+        state.running = False
+        if fut.cancelled():
+            store.close(state, "was ended because one of its chunks was cancelled before it was answered (the "
+                               "client went away), so its state is unknown", "error")
+        elif fut.exception() is not None:
+            if stream.start:
+                store.close(state, "failed on its first chunk", "error")
+            store.settle(state)
+        else:
+            store.settle(state)
             if not state.ended:
                 state.last_used = time.monotonic()
-            self._bound("chunk_steps", served.name, served.label).observe(work.steps)
+            self._bound("chunk_steps", served.name, served.label).observe(steps)
             if stream.end:
                 store.close(state)
-        return results
+        state.turn.give()
 
     def _signature(self, spec: Any) -> ModelSignature:
         """The signature of a loaded model's spec, built once per spec (it is read on every request)."""

@@ -23,6 +23,12 @@ Errors (each names the stream and says what to do):
   state may or may not include that chunk, so a later chunk gets NOT_FOUND saying so
   rather than continuing from an unknown state.
 
+A chunk whose stream has no other chunk queued or running takes the stream's turn at once and
+goes straight to the scheduler (:class:`Turn`); only a chunk that must wait for an earlier one of
+its stream waits in a task. A task per chunk cost each chunk two to three extra event-loop
+iterations in the engine process, and under load an iteration is long (256 paced streams on an
+H100 host: stateful chunks spent 0.6 ms more there than stateless ones, outside queue and batch).
+
 A stream with no chunk for ``idle_timeout_s`` is dropped with its state by a sweeper
 task (and on every open), and counted as an expiration.
 """
@@ -30,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from ..engines.state_pool import StatePool
@@ -40,14 +46,56 @@ from ..metrics import ServerMetrics
 _REMEMBERED = 4096  # ended stream ids kept to explain a late chunk
 
 
+class Turn:
+    """A stream's chunks one at a time, in arrival order: :meth:`take_now` without waiting when free,
+    else :meth:`take`; whoever holds the turn passes it on with :meth:`give`."""
+
+    __slots__ = ("busy", "_waiters")
+
+    def __init__(self) -> None:
+        self.busy = False
+        self._waiters: deque[asyncio.Future] = deque()
+
+    def take_now(self) -> bool:
+        """Take the turn if nobody holds it or waits for it; False otherwise."""
+        if self.busy or self._waiters:
+            return False
+        self.busy = True
+        return True
+
+    async def take(self) -> None:
+        """Wait for the turn behind everyone who waits already."""
+        if self.take_now():
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.give()  # handed the turn, then cancelled: pass it on
+            elif waiter in self._waiters:
+                self._waiters.remove(waiter)
+            raise
+
+    def give(self) -> None:
+        """Pass the turn to the next waiter, or free it."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self.busy = False
+
+
 @dataclass(eq=False)
 class StreamState:
-    """One live stream: its state pool slot and the lock ordering its chunks."""
+    """One live stream: its state pool slot and the turn ordering its chunks."""
 
     key: str
     slot: int = -1  # -1: released (the stream ended)
     last_used: float = field(default_factory=time.monotonic)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    turn: Turn = field(default_factory=Turn)
     ended: str = ""  # why the stream ended, "" while live
     running: bool = False  # a chunk is in the scheduler: its batch may still write the slot
 
@@ -161,7 +209,7 @@ class StreamStore:
         if not force and now - self._last_sweep < min(1.0, self.idle_timeout_s / 4):
             return
         self._last_sweep = now
-        idle = [s for s in self._streams.values() if now - s.last_used > self.idle_timeout_s and not s.lock.locked()]
+        idle = [s for s in self._streams.values() if now - s.last_used > self.idle_timeout_s and not s.turn.busy]
         for state in idle:
             self.close(state, f"expired after {self.idle_timeout_s:g}s without a chunk (stream_idle_timeout_s)",
                        "expired")

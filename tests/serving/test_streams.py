@@ -143,3 +143,42 @@ async def test_a_chunk_cancelled_while_waiting_its_turn_changes_nothing(repo):
             await skipped
         assert dataplane.registry.serving("lstm").streams.pool.in_use == 0
     np.testing.assert_allclose(_answer_output(answers), engine.forward(x).output, atol=1e-5)
+
+
+async def test_a_streams_turn_goes_to_its_chunks_in_arrival_order():
+    from service.scheduler.streams import Turn
+
+    turn, order = Turn(), []
+    assert turn.take_now() and not turn.take_now()  # the first chunk goes at once, the next one must wait
+
+    async def chunk(k):
+        await turn.take()
+        order.append(k)
+        await asyncio.sleep(0)
+        turn.give()
+
+    waiting = [asyncio.create_task(chunk(k)) for k in range(4)]
+    await asyncio.sleep(0)
+    waiting[1].cancel()  # cancelled while it waits: skipped, nothing else changes
+    await asyncio.sleep(0)
+    assert order == []
+    turn.give()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert order == [0, 2, 3] and not turn.busy and turn.take_now()
+
+
+async def test_a_chunk_handed_the_turn_then_cancelled_passes_it_on():
+    from service.scheduler.streams import Turn
+
+    turn = Turn()
+    assert turn.take_now()
+    first = asyncio.create_task(turn.take())
+    second = asyncio.create_task(turn.take())
+    await asyncio.sleep(0)
+    turn.give()  # handed to `first`, which is cancelled before it runs
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    await asyncio.wait_for(second, 1)  # the turn went on to the next waiter
+    assert turn.busy
+    turn.give()
+    assert not turn.busy
