@@ -451,7 +451,7 @@ async def _client_cell(cell: dict, meter: dict | None = None) -> tuple[list[floa
             import grpc
 
             channels = [grpc.aio.insecure_channel(cell["grpc_url"], options=OWN_CONNECTION)
-                        for _ in range(grpc_connections(cell["concurrency"]))]
+                        for _ in range(grpc_connections(cell["concurrency"], cell["calls_per_connection"]))]
             try:
                 senders = [lean_grpc_sender(ch, cell["model"]) for ch in channels]
 
@@ -492,7 +492,7 @@ def _grpc_sync_cell(cell: dict, payloads: list, run: tuple) -> tuple[list[float]
             for client in clients.values():
                 client.close()
     channels = [grpc.insecure_channel(cell["grpc_url"], options=OWN_CONNECTION)
-                for _ in range(grpc_connections(cell["concurrency"]))]
+                for _ in range(grpc_connections(cell["concurrency"], cell["calls_per_connection"]))]
     try:
         prepare, send = lean_grpc_sync_sender(channels, cell["model"])
         return run_cell_threads(send, [prepare(p) for p in payloads], *run)
@@ -507,9 +507,9 @@ OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 CALLS_PER_CONNECTION = 4
 
 
-def grpc_connections(concurrent_calls: int) -> int:
+def grpc_connections(concurrent_calls: int, per_connection: int = CALLS_PER_CONNECTION) -> int:
     """gRPC connections a client process opens for ``concurrent_calls`` calls (or streams) at once."""
-    return max(1, -(-concurrent_calls // CALLS_PER_CONNECTION))
+    return max(1, -(-concurrent_calls // per_connection))
 
 
 # Client processes hand the GIL between their event loop and gRPC's poller thread on every answer;
@@ -620,7 +620,8 @@ async def bench(args: argparse.Namespace, http_url: str, grpc_url: str | None, m
                     cell = {"protocol": protocol, "model": model, "concurrency": conc, "http_url": http_url,
                             "grpc_url": grpc_url, "pool": args.pool, "features": args.features, "min_len": args.min_len,
                             "max_len": args.max_len, "seed": 1, "duration": args.duration, "warmup": args.warmup,
-                            "client": args.client, "gc_off": args.client_gc == "off"}
+                            "client": args.client, "gc_off": args.client_gc == "off",
+                            "calls_per_connection": args.grpc_calls_per_connection}
                     before = server_counters(http_url, model)
                     with CpuSampler(args.server_pid or 0) as sampler:
                         res = await asyncio.to_thread(run_distributed, cell, args.clients)
@@ -1000,6 +1001,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="lean (default): pre-encoded requests on raw keep-alive HTTP connections and a raw gRPC "
                         "channel, answers parsed, a few µs a request, so the numbers are the server's; standard: "
                         "aiohttp and tritonclient.grpc.aio, what many users run (~150-500 µs a request of client CPU)")
+    p.add_argument("--grpc-calls-per-connection", type=int, default=CALLS_PER_CONNECTION,
+                   help=f"requests scenario: concurrent gRPC calls a client process puts on one connection "
+                        f"(default {CALLS_PER_CONNECTION}); each connection lands on one front-end process")
     p.add_argument("--scenario", choices=["all", "requests", "streams"], default="all",
                    help="requests (one-shot sequences), streams (stateful vs stateless chunks), or all (default)")
     p.add_argument("--streams", type=lambda s: [int(c) for c in s.split(",")], default=[1, 16, 256],
