@@ -156,46 +156,57 @@ async def run_cell(send, payloads: list, concurrency: int, duration: float, warm
     return _summary(latencies, errors, duration)
 
 
+class _Window:
+    """A cell's clock and tally: ``warmup`` unmeasured seconds, then ``duration`` measured ones.
+
+    Workers call :meth:`record` after each call they started; only calls started in the measured
+    window count. Safe from threads: ``list.append`` is atomic in CPython."""
+
+    def __init__(self, duration: float, warmup: float) -> None:
+        self.measure_from = time.perf_counter() + warmup
+        self.stop_at = self.measure_from + duration
+        self.latencies: list[float] = []
+        self.failed: list[float] = []
+
+    def record(self, t0: float, ok: bool) -> None:
+        if t0 >= self.measure_from:
+            (self.latencies if ok else self.failed).append(time.perf_counter() - t0)
+
+    def meter_times(self) -> tuple[float, float]:
+        """(seconds until the measured window starts, its length)."""
+        return max(0.0, self.measure_from - time.perf_counter()), self.stop_at - self.measure_from
+
+    def result(self) -> tuple[list[float], int]:
+        return self.latencies, len(self.failed)
+
+
 async def run_cell_raw(send, payloads: list, concurrency: int, duration: float,
                        warmup: float, meter: dict | None = None) -> tuple[list[float], int]:
     """``concurrency`` closed-loop workers call ``send(payload)`` for ``duration`` seconds after ``warmup``.
 
     ``meter``: gets this process's CPU seconds over the measured window (``cpu_s``) and the window's
     wall-clock start and end (``time.time()``, for :class:`procstat.CpuSampler`)."""
-    latencies: list[float] = []
-    errors = 0
-    start = time.perf_counter()
-    measure_from = start + warmup
-    stop_at = measure_from + duration
+    window = _Window(duration, warmup)
 
     async def metered() -> None:
-        await asyncio.sleep(max(0.0, measure_from - time.perf_counter()))
+        wait, length = window.meter_times()
+        await asyncio.sleep(wait)
         cpu0, wall0 = time.process_time(), time.time()
-        await asyncio.sleep(max(0.0, stop_at - time.perf_counter()))
+        await asyncio.sleep(length)
         meter.update(cpu_s=time.process_time() - cpu0, start=wall0, end=time.time())
 
     async def worker(k: int) -> None:
-        nonlocal errors
         i = k
-        while True:
-            t0 = time.perf_counter()
-            if t0 >= stop_at:
-                return
+        while (t0 := time.perf_counter()) < window.stop_at:
             try:
                 await send(payloads[i % len(payloads)], k)
-                ok = True
+                window.record(t0, True)
             except Exception:  # noqa: BLE001 - counted
-                ok = False
-            t1 = time.perf_counter()
-            if t0 >= measure_from:
-                if ok:
-                    latencies.append(t1 - t0)
-                else:
-                    errors += 1
+                window.record(t0, False)
             i += concurrency
 
     await asyncio.gather(*(worker(k) for k in range(concurrency)), *([metered()] if meter is not None else []))
-    return latencies, errors
+    return window.result()
 
 
 def run_cell_threads(send, payloads: list, concurrency: int, duration: float,
@@ -207,47 +218,30 @@ def run_cell_threads(send, payloads: list, concurrency: int, duration: float,
     more per call on the client's side of each measured latency."""
     import threading
 
-    latencies: list[float] = []
-    errors = 0
-    lock = threading.Lock()
-    start = time.perf_counter()
-    measure_from = start + warmup
-    stop_at = measure_from + duration
+    window = _Window(duration, warmup)
 
     def worker(k: int) -> None:
-        nonlocal errors
-        mine, bad, i = [], 0, k
-        while True:
-            t0 = time.perf_counter()
-            if t0 >= stop_at:
-                break
+        i = k
+        while (t0 := time.perf_counter()) < window.stop_at:
             try:
                 send(payloads[i % len(payloads)], k)
-                ok = True
+                window.record(t0, True)
             except Exception:  # noqa: BLE001 - counted
-                ok = False
-            t1 = time.perf_counter()
-            if t0 >= measure_from:
-                if ok:
-                    mine.append(t1 - t0)
-                else:
-                    bad += 1
+                window.record(t0, False)
             i += concurrency
-        with lock:
-            latencies.extend(mine)
-            errors += bad
 
     threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(concurrency)]
     for t in threads:
         t.start()
     if meter is not None:
-        time.sleep(max(0.0, measure_from - time.perf_counter()))
+        wait, length = window.meter_times()
+        time.sleep(wait)
         cpu0, wall0 = time.process_time(), time.time()
-        time.sleep(max(0.0, stop_at - time.perf_counter()))
+        time.sleep(length)
         meter.update(cpu_s=time.process_time() - cpu0, start=wall0, end=time.time())
     for t in threads:
         t.join()
-    return latencies, errors
+    return window.result()
 
 
 def http_sender(session, url: str, model: str, binary: bool):
