@@ -50,6 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -348,18 +349,22 @@ def lean_grpc_sender(client_channel, model: str):
 
     call = client_channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
 
-    def prepare(x: np.ndarray) -> bytes:
-        req = pb.ModelInferRequest(model_name=model)
-        req.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
-        req.outputs.add(name="output_last")
-        req.raw_input_contents.append(x.tobytes())
-        return req.SerializeToString()
-
     async def send(raw: bytes, worker: int) -> None:
         resp = pb.ModelInferResponse.FromString(await call(raw))
         np.frombuffer(resp.raw_output_contents[0], dtype=np.float32)
 
-    return prepare, send
+    return partial(model_infer_bytes, model), send
+
+
+def model_infer_bytes(model: str, x: np.ndarray) -> bytes:
+    """A serialized ModelInferRequest of ``x`` as raw_input_contents, asking for output_last."""
+    from service.transports.grpc.generated import inference_pb2 as pb
+
+    req = pb.ModelInferRequest(model_name=model)
+    req.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
+    req.outputs.add(name="output_last")
+    req.raw_input_contents.append(x.tobytes())
+    return req.SerializeToString()
 
 
 def lean_grpc_sync_sender(channels: list, model: str):
@@ -367,13 +372,12 @@ def lean_grpc_sync_sender(channels: list, model: str):
     from service.transports.grpc.generated import inference_pb2 as pb
 
     calls = [ch.unary_unary("/inference.GRPCInferenceService/ModelInfer") for ch in channels]
-    prepare, _ = lean_grpc_sender(channels[0], model)
 
     def send(raw: bytes, worker: int) -> None:
         resp = pb.ModelInferResponse.FromString(calls[worker % len(calls)](raw))
         np.frombuffer(resp.raw_output_contents[0], dtype=np.float32)
 
-    return prepare, send
+    return partial(model_infer_bytes, model), send
 
 
 def standard_grpc_sync_sender(grpc_url: str, model: str):

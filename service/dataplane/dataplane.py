@@ -234,15 +234,14 @@ class DataPlane:
                     fut: asyncio.Future) -> None:
         store = served.streams
         state.running = False
+        store.settle(state)  # a stream ended meanwhile (unload, expiry) gets its slot back now
         if fut.cancelled():
             store.close(state, "was ended because one of its chunks was cancelled before it was answered (the "
                                "client went away), so its state is unknown", "error")
         elif fut.exception() is not None:
             if stream.start:
                 store.close(state, "failed on its first chunk", "error")
-            store.settle(state)
         else:
-            store.settle(state)
             if not state.ended:
                 state.last_used = time.monotonic()
             self._bound("chunk_steps", served.name, served.label).observe(steps)
