@@ -38,6 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from service.eventloop import run  # noqa: E402 - the server's event loop (uvloop where installed)
+
 
 class _Event:
     """A launched batch's 'device' end, ``seconds`` after its launch (the scheduler may poll ``done``)."""
@@ -66,6 +68,14 @@ class StandInEngine:
         self.spec = spec
         self.gpu_s = gpu_ms / 1e3
         self.launch_s = launch_ms / 1e3
+
+    def input_buffer(self, shape: tuple[int, int, int]) -> np.ndarray:
+        """Reused host memory for a merged batch, as the cuDNN engine lends pinned blocks (nothing reads it
+        here): a fresh zeroed array per batch would cost page faults the real engine does not pay."""
+        size = int(np.prod(shape))
+        if getattr(self, "_buffer", None) is None or self._buffer.size < size:
+            self._buffer = np.empty(max(size, 1 << 20), np.float32)
+        return self._buffer[:size].reshape(shape)
 
     def state_pool(self, max_slots: int):
         from service.engines.state_pool import StatePool
@@ -101,7 +111,8 @@ class StandInEngine:
 
 
 def _client(path: str, model: str, generation: int, concurrency: int, seconds: float, seed: int, per_submit: int,
-            result, streams: int = 0, paced_ms: float = 0.0, stateless: bool = False) -> None:
+            result, streams: int = 0, paced_ms: float = 0.0, stateless: bool = False,
+            shm_mb: int = 0) -> None:
     """Send submit frames with ``concurrency`` outstanding for ``seconds``; report requests done.
 
     ``per_submit`` > 1: each frame carries that many requests merged, as a front-end's coalescer sends them.
@@ -109,7 +120,7 @@ def _client(path: str, model: str, generation: int, concurrency: int, seconds: f
     or (``paced_ms``) every ``paced_ms`` ms (at once if the answer came later), offsets spread over one interval;
     ``stateless``: the chunks carry h_0/c_0 and ask for h_n/c_n instead of a sequence_id.
     Puts (requests/s, latencies in s)."""
-    from service.dataplane.remote import FrameConnection
+    from service.dataplane.remote import RemoteDataPlane
     from service.dataplane.validation import StreamRequest
     from service.dataplane.view import Prepared
     from service.scheduler import SequenceWork
@@ -143,24 +154,27 @@ def _client(path: str, model: str, generation: int, concurrency: int, seconds: f
         pick = itertools.cycle(payloads)
         stop_at = loop.time() + seconds
         finished = loop.create_future()
-        conn: FrameConnection
         sent_at: dict[int, float] = {}
         latencies: list[float] = []
         interval = paced_ms / 1e3
         due = {k: loop.time() + interval * k / max(1, streams) for k in range(streams)}
+        # a front-end's connection (and shared-memory arena, --shm-mb) to the engine process
+        remote = RemoteDataPlane(path, arena_bytes=shm_mb << 20)
+        await remote.connect()
 
         def send(stream: int = 0) -> None:
             if streams:
                 sent_at[stream] = time.perf_counter()
-                conn.send((stream, "submit", (model, "", generation, stream_chunk(stream))))
+                fut = remote._send("submit", model, "", generation, stream_chunk(stream))
             else:
-                conn.send((next(ids), "submit", (model, "", generation, next(pick))))
+                stream = next(ids)
+                fut = remote._send("submit", model, "", generation, next(pick))
+            fut.add_done_callback(lambda f, k=stream: on_reply(k, f))
 
-        def on_reply(msg) -> None:
+        def on_reply(sent: int, fut: asyncio.Future) -> None:
             nonlocal done
-            sent, ok, value = msg
-            if not ok:
-                raise value
+            if fut.exception() is not None:
+                raise fut.exception()
             done += per_submit
             if streams:
                 latencies.append(time.perf_counter() - sent_at[sent])
@@ -173,7 +187,6 @@ def _client(path: str, model: str, generation: int, concurrency: int, seconds: f
             elif not finished.done():
                 finished.set_result(None)
 
-        _, conn = await loop.create_unix_connection(lambda: FrameConnection(on_reply), path)
         start = loop.time()
         for k in range(streams or max(1, concurrency // per_submit)):
             if interval:
@@ -182,9 +195,11 @@ def _client(path: str, model: str, generation: int, concurrency: int, seconds: f
                 send(k)
         await finished
         result.put((done / (loop.time() - start), latencies))
-        conn.close()
+        await remote.close()
 
-    asyncio.run(main())
+    from service.eventloop import run
+
+    run(main())  # the server's event loop (uvloop where installed), as front-ends run
 
 
 def _total(registry, name: str, model: str) -> float:
@@ -212,7 +227,7 @@ async def _serve(args, repo: Path, model: str, profile: cProfile.Profile | None
     result = ctx.Queue()
     client = ctx.Process(target=_client, args=(path, model, generation, args.concurrency, args.seconds, 1,
                                                    args.per_submit if model == "bench" else 1, result,
-                                                   args.streams, args.paced_ms, args.stateless))
+                                                   args.streams, args.paced_ms, args.stateless, args.shm_mb))
     client.start()
     cpu0, wall0 = time.thread_time(), time.perf_counter()
     if profile is not None:
@@ -243,6 +258,9 @@ def main() -> None:
     parser.add_argument("--per-submit", type=int, default=1,
                         help="requests per submit frame on the batching model (a front-end's coalescing)")
     parser.add_argument("--only", choices=("bench", "bench_nobatch"))
+    parser.add_argument("--shm-mb", type=int, default=32,
+                        help="the sending front-end's shared memory for request arrays (rnnserve serve --frontend-shm-mb; "
+                             "0: arrays on the socket)")
     parser.add_argument("--streams", type=int, default=0,
                         help="N streams of 10-step chunks (model bench_stream) instead of requests: stateful, "
                              "then stateless (the chunks carry h_0/c_0 and ask for h_n/c_n)")
@@ -278,7 +296,7 @@ def _table(args: argparse.Namespace, repo: Path, serve) -> None:
         for stateless in (False, True):
             args.stateless = stateless
             profile = cProfile.Profile() if args.profile else None
-            rate, cpu, wall, lat, t = asyncio.run(_serve(args, repo, "bench_stream", profile))
+            rate, cpu, wall, lat, t = run(_serve(args, repo, "bench_stream", profile))
             lat_ms = 1e3 * np.asarray(lat)
             reqs, batches = max(1.0, t["request_duration_seconds_count"]), max(1.0, t["batch_size_count"])
             print(f"| {'stateless' if stateless else 'stateful':9s} | {rate:9.0f} | {np.percentile(lat_ms, 50):6.2f} | "
@@ -297,7 +315,7 @@ def _table(args: argparse.Namespace, repo: Path, serve) -> None:
         if args.only and model != args.only:
             continue
         profile = cProfile.Profile() if args.profile and model == "bench" else None
-        rate, cpu, wall, _, _ = asyncio.run(_serve(args, repo, model, profile))
+        rate, cpu, wall, _, _ = run(_serve(args, repo, model, profile))
         per = 1e6 * cpu / max(1.0, rate * wall)
         print(f"| {model:13s} | {rate:8.0f} | {per:35.1f} | {100 * cpu / wall:7.0f}% |", flush=True)
         if profile is not None:

@@ -97,10 +97,12 @@ def write_repository(repo: Path, features: int, hidden: int, layers: int, extra:
     (repo / "bench_nobatch" / "config.json").write_text(json.dumps({"max_batch_size": 1, **(extra or {})}))
 
 
-def start_server(repo: Path, device: str, extra: list[str]) -> tuple[subprocess.Popen, str, str | None]:
+def start_server(repo: Path, device: str, extra: list[str], cpus: list[int] | None = None
+                 ) -> tuple[subprocess.Popen, str, str | None]:
     cmd = [sys.executable, "-m", "service.cli", "serve", "--repository", str(repo), "--host", "127.0.0.1",
            "--http-port", "0", "--grpc-port", "0", "--device", device, "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=(lambda: pin(cpus)) if cpus else None)
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -515,6 +517,21 @@ def grpc_connections(concurrent_calls: int, per_connection: int = CALLS_PER_CONN
 CLIENT_SWITCH_INTERVAL_S = 50e-6
 
 
+def cpu_list(text: str) -> list[int]:
+    """``"0-9,12"`` -> [0, ..., 9, 12] (taskset's list syntax)."""
+    cpus: list[int] = []
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def pin(cpus: list[int] | None) -> None:
+    """Run this process (and what it starts) on ``cpus`` only (--client-cpus / --server-cpus)."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
 def run_loop(main):
     """``main`` on uvloop where installed (as the server runs), else asyncio's loop: a load-generating
     process spends less of its own time per request, which the latencies would otherwise include."""
@@ -528,6 +545,7 @@ def _client_process(cell: dict) -> tuple[list[float], int, dict]:
 
     sys.setswitchinterval(CLIENT_SWITCH_INTERVAL_S)
     cell = dict(cell)
+    pin(cell.pop("cpus", None))
     if cell.pop("gc_off", False):  # see --client-gc
         gc.collect()
         gc.disable()
@@ -618,7 +636,7 @@ async def bench(args: argparse.Namespace, http_url: str, grpc_url: str | None, m
                     cell = {"protocol": protocol, "model": model, "concurrency": conc, "http_url": http_url,
                             "grpc_url": grpc_url, "pool": args.pool, "features": args.features, "min_len": args.min_len,
                             "max_len": args.max_len, "seed": 1, "duration": args.duration, "warmup": args.warmup,
-                            "client": args.client, "gc_off": args.client_gc == "off",
+                            "client": args.client, "gc_off": args.client_gc == "off", "cpus": args.client_cpus,
                             "calls_per_connection": args.grpc_calls_per_connection}
                     before = server_counters(http_url, model)
                     with CpuSampler(args.server_pid or 0) as sampler:
@@ -816,6 +834,7 @@ def _stream_process(job: dict) -> tuple[list[float], int, float, list[float], fl
 
     sys.setswitchinterval(CLIENT_SWITCH_INTERVAL_S)
     job = dict(job)
+    pin(job.pop("cpus", None))
     if job.pop("gc_off", False):
         gc.collect()
         gc.disable()
@@ -885,10 +904,10 @@ async def bench_streams(args: argparse.Namespace, http_url: str, grpc_url: str |
     state_shape = (int(h_shape[1]), int(h_shape[2]))
     job = {"grpc_url": grpc_url, "model": args.stream_model, "steps": args.chunk_steps, "features": args.features,
            "state_shape": state_shape, "base": int(time.time() * 1000) % 1_000_000 * 10_000, "client": args.client,
-           "gc_off": args.client_gc == "off"}
+           "gc_off": args.client_gc == "off", "cpus": args.client_cpus}
     # warm the model (first batches of each size) before measuring
     await stream_cell(first=0, n=16, chunks=3, stateful=True, interval=0.0,
-                      **{k: v for k, v in job.items() if k != "gc_off"})
+                      **{k: v for k, v in job.items() if k not in ("gc_off", "cpus")})
     rows = []
     for interval_ms in args.chunk_interval_ms:
         for n in args.streams:
@@ -1031,6 +1050,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="front-end processes of the started server (rnnserve serve --frontends; default 1)")
     p.add_argument("--graph-memory-mb", type=int, default=None,
                    help="cuda_graph_memory_mb of the started server's models (default: the config's; 0: no CUDA graphs)")
+    p.add_argument("--client-cpus", type=cpu_list, default=None,
+                   help="CPUs the load-generating processes run on, e.g. 10-15 (default: any): with --server-cpus, "
+                        "clients do not take CPU time from the server, as when they run on other machines")
+    p.add_argument("--server-cpus", type=cpu_list, default=None,
+                   help="CPUs the started server (all its processes) runs on, e.g. 0-9 (default: any)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
 
@@ -1046,7 +1070,8 @@ def main(argv: list[str] | None = None) -> int:
         write_repository(repo, args.features, args.hidden, args.layers, extra)
         write_stream_model(repo, args.features, args.stream_hidden, args.stream_layers, extra)
         proc, http_url, grpc_url = start_server(repo, args.device, ["--frontends", str(args.frontends),
-                                                                    "--engines", str(args.engines)])
+                                                                    "--engines", str(args.engines)],
+                                                args.server_cpus)
         args.server_pid = proc.pid
         models = ["bench", "bench_nobatch"]
     rows: list[dict] = []

@@ -41,7 +41,8 @@ def run_frontend(settings: dict[str, Any], socket_paths: list[str], started: Any
 async def _frontend(settings: ServeSettings, socket_paths: list[str], started: Any) -> int:
     die_with_parent()
     stop = asyncio.Event()
-    remotes = [RemoteDataPlane(path, on_lost=stop.set) for path in socket_paths]
+    arena_bytes = (settings.frontend_shm_mb << 20) // len(socket_paths)  # one arena per engine process
+    remotes = [RemoteDataPlane(path, on_lost=stop.set, arena_bytes=arena_bytes) for path in socket_paths]
     dataplane: RemoteDataPlane | ShardedDataPlane = remotes[0] if len(remotes) == 1 else ShardedDataPlane(remotes)
     await dataplane.connect()
     transports = await Transports.start(dataplane, settings, reuse_port=True)

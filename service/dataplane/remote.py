@@ -22,7 +22,9 @@ so the engine process counts it and answers with the same error.
 Wire format on a Unix socket: 8-byte little-endian length + pickle (protocol 5) of
 ``(id, method, args)`` (``submit_many``: several works, answered by one list of ``(ok, value)``); replies are ``(id, ok, value)`` where a failed call carries the
 exception (rnnserve errors keep their status). Pickle is safe here: both ends are
-processes of this server, on a socket in a private temporary folder.
+processes of this server, on a socket in a private temporary folder. A front-end's
+large request arrays travel in its shared-memory arena instead (:mod:`.arena`): the frame
+carries their place, and the place is freed when the reply comes.
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ from functools import partial
 from typing import Any, Callable
 
 from ..errors import NotFound, RNNServeError, StaleModelView, Unavailable
-from ..wire import wire
+from ..wire import placing, wire
+from . import arena as arenas
 from .coalesce import ChunkLane, Lane
 from .types import InferRequest, InferResponse
 from .view import ModelView, prepare, respond
@@ -159,6 +162,7 @@ class DataPlaneServer:
 
     def _connection(self) -> FrameConnection:
         conn: FrameConnection
+        attached: list[str] = []
 
         def on_frame(msg: Any) -> None:
             msg_id, method, args = msg
@@ -167,6 +171,14 @@ class DataPlaneServer:
                 return
             if method == "submit_many":
                 self._submit_many(conn, msg_id, args)
+                return
+            if method == "attach_arena":
+                try:
+                    arenas.attach(*args)
+                    attached.append(args[0])
+                    conn.send((msg_id, True, None))
+                except (OSError, ValueError) as exc:
+                    conn.send((msg_id, False, RNNServeError(f"cannot map the front-end's shared memory: {exc}")))
                 return
             if method in ASYNC_METHODS:
                 # Concurrent: requests from one front-end must be able to batch together, and a slow
@@ -183,7 +195,11 @@ class DataPlaneServer:
                 reply = (msg_id, False, _portable(exc))
             conn.send(reply)
 
-        conn = FrameConnection(on_frame)
+        def on_lost() -> None:
+            for path in attached:
+                arenas.detach(path)
+
+        conn = FrameConnection(on_frame, on_lost)
         return conn
 
     def _submit(self, conn: FrameConnection, msg_id: int, args: tuple) -> None:
@@ -241,11 +257,14 @@ class RemoteDataPlane:
     health poller, and for every probe and metrics scrape); now nothing here blocks.
     """
 
-    def __init__(self, path: str, on_lost: Any = None) -> None:
+    def __init__(self, path: str, on_lost: Any = None, arena_bytes: int = 0) -> None:
         self.path = path
         self._on_lost = on_lost  # called once when the engine process goes away
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future] = {}
+        self._arena_bytes = arena_bytes  # shared memory for request arrays (see .arena); 0: none
+        self._arena: arenas.Arena | None = None
+        self._held: dict[int, list[tuple[int, int]]] = {}  # arena places of calls not yet answered
         self._conn: FrameConnection | None = None
         self._closing = False
         self._draining = False
@@ -259,6 +278,14 @@ class RemoteDataPlane:
         loop = asyncio.get_running_loop()
         _, self._conn = await loop.create_unix_connection(
             lambda: FrameConnection(self._on_reply, self._connection_lost), self.path)
+        arena = arenas.Arena.create(self._arena_bytes)
+        if arena is not None:
+            try:
+                await self._call("attach_arena", arena.path, arena.size)
+                self._arena = arena
+            except RNNServeError as exc:
+                log.warning("%s; request arrays travel on the socket instead", exc)
+                arena.close()
 
     async def close(self) -> None:
         """Close the connection; calls still waiting fail with Unavailable."""
@@ -266,6 +293,8 @@ class RemoteDataPlane:
         if self._conn is not None:
             self._conn.close()
         self._fail_pending()
+        if self._arena is not None:
+            self._arena.close()
 
     def begin_drain(self) -> None:
         """Report not ready from now on (this front-end is stopping)."""
@@ -273,6 +302,9 @@ class RemoteDataPlane:
 
     def _on_reply(self, msg: Any) -> None:
         msg_id, ok, value = msg
+        places = self._held.pop(msg_id, None)
+        if places is not None:  # answered: the engine process reads the call's arrays no more
+            self._arena.release(places)
         fut = self._pending.pop(msg_id, None)
         if fut is not None and not fut.done():
             fut.set_result(value) if ok else fut.set_exception(value)
@@ -299,7 +331,13 @@ class RemoteDataPlane:
             return fut
         msg_id = next(self._ids)
         self._pending[msg_id] = fut
-        self._conn.send((msg_id, method, args))
+        if self._arena is None:
+            self._conn.send((msg_id, method, args))
+            return fut
+        with placing(arenas.Placing(self._arena)) as placement:
+            self._conn.send((msg_id, method, args))  # pickles now, large arrays into the arena
+        if placement.places:
+            self._held[msg_id] = placement.places
         return fut
 
     async def _call(self, method: str, *args: Any) -> Any:

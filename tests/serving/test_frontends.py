@@ -136,8 +136,9 @@ def test_front_ends_serve_a_reloaded_model_with_its_new_weights(frontends_server
 
 
 def test_concurrent_requests_coalesced_by_front_ends_equal_their_single_answers(frontends_server):
-    """Front-ends merge the requests that wait behind their in-flight work (service.dataplane.coalesce)."""
-    repo, _, http, _ = frontends_server
+    """Front-ends merge the requests that wait behind their in-flight work (service.dataplane.coalesce), and hand
+    their arrays over in shared memory (service.dataplane.arena): the engine process maps each front-end's arena."""
+    repo, proc, http, _ = frontends_server
     rng = np.random.default_rng(6)
     xs = [rng.standard_normal((1 + k % 3, int(rng.integers(150, 400)), 4)).astype(np.float32) for k in range(64)]
     before = _successes(http)
@@ -162,6 +163,9 @@ def test_concurrent_requests_coalesced_by_front_ends_equal_their_single_answers(
             np.testing.assert_allclose(res.as_numpy("output_last"), want.output[:, -1], rtol=1e-5, atol=1e-5)
             assert res.as_numpy("output") is None
     assert _successes(http) - before == 64  # merged or not, each request counted once
+    if os.path.isdir("/dev/shm"):
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        assert len(set(re.findall(r"/dev/shm/(rnnserve-\S+)", maps))) == 2  # both front-ends', files removed
 
 
 def test_sigterm_stops_every_process(frontends_server):
