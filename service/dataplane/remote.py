@@ -335,7 +335,12 @@ class RemoteDataPlane:
             self._conn.send((msg_id, method, args))
             return fut
         with placing(arenas.Placing(self._arena)) as placement:
-            self._conn.send((msg_id, method, args))  # pickles now, large arrays into the arena
+            try:
+                self._conn.send((msg_id, method, args))  # pickles now, large arrays into the arena
+            except BaseException:
+                self._arena.release(placement.places)  # nothing was sent: nothing will answer
+                del self._pending[msg_id]
+                raise
         if placement.places:
             self._held[msg_id] = placement.places
         return fut

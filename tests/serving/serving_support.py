@@ -105,6 +105,22 @@ async def rest_client(repository: Path, **settings: Any) -> AsyncIterator[tuple[
         await dataplane.stop(drain=True)
 
 
+@contextlib.asynccontextmanager
+async def lstm_dataplane(repo: Path, seed: int, **config: Any) -> AsyncIterator[Any]:
+    """A started DataPlane (reference engine) on a repository of one LSTM model, "lstm", with ``config``."""
+    from service.dataplane import DataPlane
+    from service.registry import ModelRegistry
+
+    make_model(*LSTM, seed=seed).save(repo, "lstm", 1)
+    write_config(repo, "lstm", **config)
+    dp = DataPlane(ModelRegistry(repo, device="cpu"))
+    await dp.start()
+    try:
+        yield dp
+    finally:
+        await dp.stop()
+
+
 def start_server(repository: Path, *extra: str, env: dict[str, str] | None = None,
                  timeout: float = 60.0, device: str = "cpu") -> tuple[subprocess.Popen, str, str | None]:
     """Start `python -m service.cli serve` on free ports; return (process, http_url, grpc_url or None)."""

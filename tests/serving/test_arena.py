@@ -11,13 +11,12 @@ import pytest
 import pytest_asyncio
 
 from service import create_engine
-from service.dataplane import DataPlane, arena as arenas
+from service.dataplane import arena as arenas
 from service.dataplane.remote import DataPlaneServer, RemoteDataPlane
 from service.dataplane.types import InferRequest, InferTensor, RequestedOutput
-from service.registry import ModelRegistry
 from service.repository import load_model
 from service.wire import placing, wire
-from serving_support import LSTM, make_model, write_config
+from serving_support import lstm_dataplane
 
 needs_shm = pytest.mark.skipif(not os.path.isdir(arenas.SHM_DIR), reason="no /dev/shm on this machine")
 
@@ -75,17 +74,13 @@ def test_no_shared_memory_means_none(monkeypatch, tmp_path, caplog):
 @pytest_asyncio.fixture
 async def engine_side(tmp_path):
     """The engine process's side in this process: a DataPlane on the reference engine behind its socket."""
-    make_model(*LSTM, seed=8).save(tmp_path, "lstm", 1)
-    write_config(tmp_path, "lstm", max_batch_size=8)
-    dp = DataPlane(ModelRegistry(tmp_path, device="cpu"))
-    await dp.start()
-    server = DataPlaneServer(dp, str(tmp_path / "engine.sock"))
-    await server.start()
-    try:
-        yield tmp_path, server
-    finally:
-        await server.stop()
-        await dp.stop()
+    async with lstm_dataplane(tmp_path, seed=8, max_batch_size=8) as dp:
+        server = DataPlaneServer(dp, str(tmp_path / "engine.sock"))
+        await server.start()
+        try:
+            yield tmp_path, server
+        finally:
+            await server.stop()
 
 
 def _request(x: np.ndarray, outputs: tuple[str, ...]) -> InferRequest:
@@ -150,5 +145,20 @@ async def test_a_front_end_whose_arena_the_engine_cannot_map_sends_on_the_socket
         answer = await remote.infer(_request(x, ("output_last",)))
         want = create_engine(load_model(repo / "lstm"), "cpu").forward(x)
         np.testing.assert_allclose(answer.outputs[0].data, want.output[:, -1], rtol=1e-5, atol=1e-6)
+    finally:
+        await remote.close()
+
+
+@needs_shm
+@pytest.mark.asyncio
+async def test_a_call_that_cannot_be_sent_gives_its_places_back(engine_side):
+    repo, _ = engine_side
+    remote = RemoteDataPlane(str(repo / "engine.sock"), arena_bytes=1 << 20)
+    await remote.connect()
+    try:
+        big = wire(np.ones((4, 100, 4), np.float32))
+        with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+            remote._send("submit", big, lambda: None)  # the array is placed, then the lambda cannot be pickled
+        assert remote._arena.free_bytes == remote._arena.size and not remote._pending and not remote._held
     finally:
         await remote.close()

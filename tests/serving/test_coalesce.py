@@ -13,23 +13,16 @@ from service.dataplane import DataPlane
 from service.dataplane.coalesce import MAX_IN_FLIGHT, Lane
 from service.dataplane.view import Prepared
 from service.errors import InvalidInput
-from service.registry import ModelRegistry
 from service.scheduler import SequenceWork
-from serving_support import LSTM, make_model, metric_value, write_config
+from serving_support import LSTM, lstm_dataplane, make_model, metric_value
 
 pytestmark = pytest.mark.asyncio
 
 
 @pytest_asyncio.fixture
 async def dataplane(tmp_path):
-    make_model(*LSTM, seed=5).save(tmp_path, "lstm", 1)
-    write_config(tmp_path, "lstm", max_batch_size=6)
-    dp = DataPlane(ModelRegistry(tmp_path, device="cpu"))
-    await dp.start()
-    try:
+    async with lstm_dataplane(tmp_path, seed=5, max_batch_size=6) as dp:
         yield dp
-    finally:
-        await dp.stop()
 
 
 def _work(rng, batch: int, t: int, lengths: list[int], outputs: set[str], states: bool = False) -> SequenceWork:
