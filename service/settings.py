@@ -68,9 +68,9 @@ class ServeSettings(BaseSettings):
     frontend_shm_mb: int = Field(
         32, ge=0, le=65536,
         description="Shared memory each front-end process reserves in /dev/shm for the request arrays it hands to "
-                    "the engine processes, in MiB (with --frontends or --engines > 1; split between the engines). The engine process reads them "
-                    "in place instead of off the socket; 0, a full /dev/shm or a request larger than what is free "
-                    "sends them on the socket.",
+                    "the engine processes, in MiB (with --frontends or --engines > 1; split between the engines). "
+                    "The engine process reads them in place instead of off the socket; 0, a full /dev/shm or a "
+                    "request larger than what is free sends them on the socket.",
     )
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
         "auto", description="Event loop: uvloop (faster per request), asyncio (the standard loop) or auto (uvloop "
