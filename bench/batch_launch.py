@@ -6,10 +6,13 @@ and most of its time goes to forming and launching batches. This times exactly t
 ``launch_batch`` and ``finish_batch`` of ``service.scheduler.batching``, on the serving
 benchmark's LSTM (I=40, H=128, lengths 20..200, many-to-one) with batches made of parts
 the way front-end processes send them (1-4 requests merged per message), one batch in
-flight behind another as in the server. Run it from two checkouts on one host to compare
+flight behind another as in the server. With ``--arena`` the parts lie in a shared mapping
+announced as a front-end's arena (as `rnnserve serve --frontends N` places them), which the
+GPU engine maps and gathers batches from (service.engines.cudnn.host_rows); without it they
+lie in ordinary memory and batches merge on the host. Run it from two checkouts on one host to compare
 code versions without the noise of whole-server runs (autotuning, the host's other load).
 
-    python bench/batch_launch.py [--device cuda] [--batches 8,19,32,64] [--reps 200]
+    python bench/batch_launch.py [--device cuda] [--batches 8,19,32,64] [--reps 200] [--arena]
 """
 from __future__ import annotations
 
@@ -27,7 +30,31 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 
-def make_parts(rng: np.random.Generator, sequences: int, features: int) -> list:
+class Placer:
+    """Places arrays back to back in a shared mapping announced as a front-end arena (``size`` 0: nowhere)."""
+
+    def __init__(self, size: int) -> None:
+        import mmap
+
+        from service.engines import shared_host
+
+        self.buffer = mmap.mmap(-1, size) if size else None
+        self.offset = 0
+        if self.buffer is not None:
+            shared_host.announce("bench-arena", self.buffer)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.buffer is None:
+            return x
+        if self.offset + x.nbytes > len(self.buffer):
+            self.offset = 0  # reused from the start: the pool of batches is built before any runs
+        placed = np.ndarray(x.shape, x.dtype, buffer=self.buffer, offset=self.offset)
+        placed[...] = x
+        self.offset += (x.nbytes + 63) // 64 * 64
+        return placed
+
+
+def make_parts(rng: np.random.Generator, sequences: int, features: int, place=lambda x: x) -> list:
     """``sequences`` requests of 20..200 steps, merged 1-4 per message as a front-end's lane does."""
     from service.scheduler import SequenceWork
     from service.scheduler.batching import merge
@@ -39,7 +66,7 @@ def make_parts(rng: np.random.Generator, sequences: int, features: int) -> list:
                              outputs=frozenset({"output_last"}))
                 for n in rng.integers(20, 201, k)]
         m = merge(reqs)
-        parts.append(SequenceWork(m.x, m.lengths, outputs=frozenset({"output_last"})))
+        parts.append(SequenceWork(place(m.x), m.lengths, outputs=frozenset({"output_last"})))
         left -= k
     return parts
 
@@ -49,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--batches", default="8,19,32,64")
     p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--arena", action="store_true", help="parts in an announced shared mapping (see above)")
     args = p.parse_args(argv)
 
     import serve
@@ -59,18 +87,22 @@ def main(argv: list[str] | None = None) -> int:
     repo = Path(tempfile.mkdtemp())
     serve.write_repository(repo, 40, 128, 1)
     engine = create_engine(load_model(repo / "bench"), device=args.device)
+    place = Placer(64 << 20 if args.arena else 0)
     if not getattr(engine, "launches", False):
         print(f"engine '{engine.name}' does not launch; nothing to time")
         return 0
     rng = np.random.default_rng(0)
     print(f"host ms per batch on the launching thread (median of {args.reps}), engine {engine.name}, "
-          f"LSTM I=40 H=128, lengths 20..200, many-to-one, one batch in flight behind another")
-    print("| sequences | parts | launch_batch ms | finish_batch ms | per sequence µs |")
-    print("|--:|--:|--:|--:|--:|")
+          f"LSTM I=40 H=128, lengths 20..200, many-to-one, one batch in flight behind another, parts in "
+          f"{'a mapped arena' if args.arena else 'ordinary memory'}")
+    print("| sequences | parts | launch_batch ms | finish_batch ms | per sequence µs | wall ms per batch |")
+    print("|--:|--:|--:|--:|--:|--:|")
     for b in (int(s) for s in args.batches.split(",")):
-        pool = [make_parts(rng, b, 40) for _ in range(16)]
+        pool = [make_parts(rng, b, 40, place) for _ in range(16)]
         launches, finishes, prev = [], [], None
         for rep in range(args.reps + 10):
+            if rep == 10:
+                began = time.perf_counter()
             parts = pool[rep % len(pool)]
             t0 = time.perf_counter()
             merged, launched = launch_batch(engine, parts)
@@ -86,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
             prev = (merged, launched, parts)
         prev[1].wait()
         finish_batch(engine, *prev)
+        wall_ms = 1e3 * (time.perf_counter() - began) / args.reps
         launch_ms, finish_ms = 1e3 * statistics.median(launches), 1e3 * statistics.median(finishes)
-        print(f"| {b} | {len(pool[0])} | {launch_ms:.3f} | {finish_ms:.3f} | {1e3 * (launch_ms + finish_ms) / b:.1f} |",
+        print(f"| {b} | {len(pool[0])} | {launch_ms:.3f} | {finish_ms:.3f} | {1e3 * (launch_ms + finish_ms) / b:.1f} | {wall_ms:.3f} |",
               flush=True)
     engine.close()
     return 0

@@ -26,6 +26,8 @@ import os
 import secrets
 import numpy as np
 
+from ..engines import shared_host
+
 log = logging.getLogger("rnnserve.dataplane.arena")
 
 SHM_DIR = "/dev/shm"
@@ -120,11 +122,13 @@ def attach(path: str, size: int) -> None:
         os.close(fd)
         os.unlink(path)
     _attached[path] = mapped
+    shared_host.announce(path, mapped)  # a GPU engine maps it for the device (batches upload straight from it)
 
 
 def detach(path: str) -> None:
     """Forget a front-end's arena (its connection closed); arrays still in use keep the mapping alive."""
-    _attached.pop(path, None)
+    if _attached.pop(path, None) is not None:
+        shared_host.withdraw(path)
 
 
 def shared_array(path: str, offset: int, dtype: str, shape: tuple) -> np.ndarray:

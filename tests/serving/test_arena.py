@@ -162,3 +162,25 @@ async def test_a_call_that_cannot_be_sent_gives_its_places_back(engine_side):
         assert remote._arena.free_bytes == remote._arena.size and not remote._pending and not remote._held
     finally:
         await remote.close()
+
+
+@needs_shm
+def test_an_attached_arena_is_announced_to_device_engines_until_detached():
+    from service.engines import shared_host
+
+    seen = []
+
+    def on_add(key, buffer):
+        seen.append(("add", key, len(buffer)))
+
+    shared_host.watch(on_add, lambda key: seen.append(("remove", key)))
+    arena = arenas.Arena.create(1 << 16)
+    try:
+        arenas.attach(arena.path, arena.size)
+        assert seen == [("add", arena.path, arena.size)]
+    finally:
+        arenas.detach(arena.path)
+        arenas.detach(arena.path)  # again: announced once, withdrawn once
+        arena.close()
+        shared_host.unwatch(on_add)
+    assert seen == [("add", arena.path, arena.size), ("remove", arena.path)]

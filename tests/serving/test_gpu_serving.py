@@ -113,3 +113,27 @@ def test_grpc_stream_chunks_equal_one_shot(gpu_server):
     np.testing.assert_allclose(np.concatenate(got, axis=1), want.output, **TOL)
     np.testing.assert_allclose(res.as_numpy("h_n"), want.h_n, **TOL)
     np.testing.assert_allclose(res.as_numpy("c_n"), want.c_n, **TOL)
+
+
+def test_concurrent_long_requests_equal_the_reference(gpu_server):
+    """Inputs of 2 KB and more travel in the front-ends' shared memory (two-engine-processes server) and
+    reach the GPU gathered from there (service.engines.cudnn.host_rows); concurrency makes batches of them."""
+    repo, http, _ = gpu_server
+    rng = np.random.default_rng(13)
+    seqs = [rng.standard_normal((int(k), int(t), 4)).astype(np.float32)
+            for k, t in zip(rng.integers(1, 4, 48), rng.integers(130, 260, 48))]
+
+    def one(x):
+        inp = th.InferInput("input", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x, binary_data=True)
+        with th.InferenceServerClient(http) as client:
+            res = client.infer("lstm", [inp], outputs=[th.InferRequestedOutput("output_last", binary_data=True),
+                                                       th.InferRequestedOutput("h_n", binary_data=True)])
+        return res.as_numpy("output_last"), res.as_numpy("h_n")
+
+    with ThreadPoolExecutor(24) as pool:
+        results = list(pool.map(one, seqs))
+    for x, (last, h_n) in zip(seqs, results):
+        want = _expected(repo, "lstm", x, None)
+        np.testing.assert_allclose(last, want.output[:, -1], **TOL)
+        np.testing.assert_allclose(h_n, want.h_n, **TOL)

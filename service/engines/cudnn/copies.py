@@ -7,6 +7,9 @@ bandwidth of PyTorch's copy kernel (H200: 130 µs vs 72 µs for a [256, 100, 102
 array), which left the engine 3-6 % behind PyTorch where both run the same cuDNN kernel.
 :func:`swap01` copies whole rows with the widest vector the alignment allows.
 
+A batch whose requests lie in device-mapped host memory is gathered from there row by row
+(:func:`gather_rows`, see :mod:`.mapped`): the host writes a table of addresses, not the batch.
+
 A many-to-one request wants only each sequence's last output: :func:`last_steps` picks
 it on the device (one launch), so a batch downloads [B, F] instead of [B, T, F].
 
@@ -86,6 +89,20 @@ __device__ __forceinline__ void last_steps(const T* __restrict__ y, const int* _
     }
 }
 
+template<typename T>
+__device__ __forceinline__ void gather_rows(const long long* __restrict__ src, const long long* __restrict__ valid,
+                                            T* __restrict__ dst, long long n, long long r) {
+    // dst [n, r] units: row b's first valid[b] bytes from address src[b] (device-mapped host memory), zeros after
+    const long long total = n * r;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long b = i / r, col = i % r;
+        T v = {};
+        if (col < valid[b] / (long long)sizeof(T)) v = reinterpret_cast<const T*>(src[b])[col];
+        dst[i] = v;
+    }
+}
+
 extern "C" __global__ void rnnserve_last_4(const unsigned int* y, const int* lens, unsigned int* o, long long n,
     long long f, long long fwd, long long ss, long long rs) { last_steps<unsigned int>(y, lens, o, n, f, fwd, ss, rs); }
 extern "C" __global__ void rnnserve_last_2(const unsigned short* y, const int* lens, unsigned short* o, long long n,
@@ -96,7 +113,9 @@ extern "C" __global__ void rnnserve_swap01_##W(const T* s, T* d, long long a, lo
     { swap01<T>(s, d, a, b, r); } \
 extern "C" __global__ void rnnserve_slots_##W(T* ph, T* rh, long long r_h, T* pc, T* rc, \
     long long r_c, const int* idx, long long l, long long sn, long long n, int scatter, int keep) \
-    { slots<T>(ph, rh, r_h, pc, rc, r_c, idx, l, sn, n, scatter, keep); }
+    { slots<T>(ph, rh, r_h, pc, rc, r_c, idx, l, sn, n, scatter, keep); } \
+extern "C" __global__ void rnnserve_rows_##W(const long long* s, const long long* v, T* d, long long n, \
+    long long r) { gather_rows<T>(s, v, d, n, r); }
 
 RNNSERVE_VARIANTS(16, uint4)
 RNNSERVE_VARIANTS(8, uint2)
@@ -123,7 +142,7 @@ def _kernels(cp: Any) -> dict[str, Any]:
         if mod is None:
             raw = cp.RawModule(code=_SOURCE, options=("-std=c++14",))
             mod = {f"{kind}_{w}": raw.get_function(f"rnnserve_{kind}_{w}")
-                   for kind in ("swap01", "slots") for w in _WIDTHS}
+                   for kind in ("swap01", "slots", "rows") for w in _WIDTHS}
             mod.update({f"last_{w}": raw.get_function(f"rnnserve_last_{w}") for w in (4, 2)})
             _modules[dev] = mod
     return mod
@@ -237,6 +256,22 @@ def last_steps(cp: Any, y: Any, lens_dev: Any, forward_cols: int) -> Any:
     _kernels(cp)[f"last_{item}"]((_grid(total),), (_THREADS,),
                                  (y, lens_dev, out, np.int64(n), np.int64(f), np.int64(forward_cols),
                                   np.int64(y.strides[1] // item), np.int64(y.strides[0] // item)))
+    return out
+
+
+def gather_rows(cp: Any, table: Any, unit: int, out: Any) -> Any:
+    """Fill ``out`` (a C-contiguous [N, ...] device array) row by row from host memory the device can read.
+
+    ``table`` is an int64 [2, N] device array: row b's device address (see :mod:`.mapped`) and how many
+    bytes of it to copy; the rest of the row is zeroed. ``unit`` (16, 8, 4, 2 or 1 bytes) must divide every
+    address, byte count and ``out``'s row. Returns ``out``.
+    """
+    n = int(out.shape[0])
+    if out.size == 0:
+        return out
+    r = out.nbytes // n // unit
+    total = n * r
+    _kernels(cp)[f"rows_{unit}"]((_grid(total),), (_THREADS,), (table[0], table[1], out, np.int64(n), np.int64(r)))
     return out
 
 

@@ -33,6 +33,8 @@ from .block import AlgorithmRejected
 from .block_states import block_views, new_states, read_slots, write_slots
 from .copies import last_steps, seq_major, swap01
 from .graphs import SETUP_LOCK, GraphRuns
+from .host_rows import HostRows, host_rows
+from .mapped import mapped_host
 from .shape_buckets import GraphShapes
 from .transfer import download_results
 from .warmup import warm_paths
@@ -138,6 +140,7 @@ class CudnnEngine(Engine):
             with self._ctx.device, self._ctx.stream:
                 self._conv = Converter(cp, self.precision)
                 self._staging = HostStaging(cp)
+                self._mapped = mapped_host(cp)  # front-end arenas, readable by the device (see input_rows)
                 self._blocking_sync = blocking_sync
                 self._prec = self._build_runners(BlockRunner, prec, force_per_matrix_upload)
                 steps = max(1, int(tune_steps))
@@ -344,6 +347,14 @@ class CudnnEngine(Engine):
             return None
         return self._staging.lend(shape, np.float32)
 
+    def input_rows(self, xs: list[np.ndarray], t_max: int) -> HostRows | None:
+        """A batch of the requests ``xs`` ([b, Ts, F] each) padded to ``t_max`` steps, left in the device-mapped
+        front-end arenas they lie in (see :mod:`.mapped`): ``launch`` gathers the rows on the GPU. None when
+        one of them lies elsewhere or this engine stages float16 (the caller merges on the host then)."""
+        if self._conv.staging_dtype(np.dtype(np.float32)) != np.float32 or not len(self._mapped):
+            return None
+        return host_rows(self._mapped, xs, t_max, np.dtype(np.float32), self.device_id)
+
     def state_pool(self, max_slots: int) -> StatePool:
         """Stream states on this engine's GPU, in its storage dtype (see :mod:`service.engines.state_pool`)."""
         self._ensure_open()
@@ -415,7 +426,7 @@ class CudnnEngine(Engine):
     def _check(self, x, lengths, h0, c0):
         self._ensure_open()
         on_device = isinstance(x, self._cp.ndarray)
-        if not on_device:
+        if not on_device and not isinstance(x, HostRows):
             x = np.asarray(x)
         b, t, lens = check_forward_args(self.spec, x, lengths, h0, c0, self._cp if on_device else np)
         out_dtype = np.dtype(np.float16 if self.precision == "float16" and x.dtype == np.float16 else np.float32)

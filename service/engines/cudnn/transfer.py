@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from ..base import EngineOutput, Launched
-from .copies import seq_major
+from .copies import gather_rows, seq_major
+from .host_rows import HostRows
 
 _ALIGN = 256
 DIRECT_BYTES = 1 << 20
@@ -115,14 +116,16 @@ class HostStaging:
         the engine's storage dtype, states sequence-major: (x, h0, c0, lens or None, index or None).
 
         Host inputs go up in one staged copy, the lengths and index with them (CuPy's asarray of a
-        small array cost more host time than the copy of x); device inputs are used in place.
+        small array cost more host time than the copy of x); device inputs are used in place. For
+        :class:`.HostRows`, the row table goes up instead of x, and x is gathered on the device.
         """
         cp = self.cp
         if isinstance(x, cp.ndarray):
             states = [None if s is None else conv.to_store(seq_major(cp, s)) for s in (h0, c0)]
             return conv.to_store(x), states[0], states[1], None, None if index is None else cp.asarray(index)
         ragged = int(lens.min()) < t
-        staged = [(x, conv.staging_dtype(x.dtype))]
+        rows = x if isinstance(x, HostRows) else None
+        staged = [(x.table, np.dtype(np.int64)) if rows is not None else (x, conv.staging_dtype(x.dtype))]
         for s in (h0, c0):
             if s is not None:
                 s = s.get() if hasattr(s, "get") else np.asarray(s)
@@ -134,6 +137,8 @@ class HostStaging:
         dev = self.upload(staged, stream)
         index_d = dev.pop() if index is not None else None
         lens_d = dev.pop() if ragged else None
+        if rows is not None:
+            dev[0] = gather_rows(cp, dev[0], rows.unit, cp.empty(rows.shape, dtype=rows.dtype))
         dev = [conv.to_store(a) for a in dev]
         x_d = dev.pop(0)
         h0_d = dev.pop(0) if h0 is not None else None
