@@ -18,21 +18,11 @@ from service.engines.cudnn.host_rows import HostRows, host_rows
 from service.loaders.verify import ATOL, RTOL
 from service.scheduler import SequenceWork
 from service.scheduler.batching import finish_batch, launch_batch, merge
+from test_cudnn_copies_gpu import cp  # noqa: F401 - the fixture (CuPy, or skip without a CUDA device)
 from test_cudnn_gpu import make_torch, model_from_torch, reference_run
 
 pytestmark = pytest.mark.gpu
 _keys = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def cp():
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except Exception as exc:  # noqa: BLE001 - no driver: skip
-        pytest.skip(f"no CUDA device: {exc}")
-    return cupy
 
 
 @pytest.fixture()
