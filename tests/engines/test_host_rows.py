@@ -30,13 +30,13 @@ class FakeRuntime:
     def hostRegister(self, ptr, size, flags):  # noqa: N802 - CuPy's names
         if self.refuse:
             raise RuntimeError("cudaErrorHostMemoryAlreadyRegistered")
-        self.calls.append(("register", ptr, size, flags))
+        self.calls.append(("register", ptr, size, flags, self.device))
 
     def pointerGetAttributes(self, ptr):  # noqa: N802
         return type("Attributes", (), {"devicePointer": ptr + OFFSET})()
 
     def hostUnregister(self, ptr):  # noqa: N802
-        self.calls.append(("unregister", ptr))
+        self.calls.append(("unregister", ptr, self.device))
 
     def deviceSynchronize(self):  # noqa: N802
         self.calls.append(("synchronize", self.device))
@@ -66,16 +66,17 @@ def _address(buffer) -> int:
 
 def test_a_range_is_mapped_looked_up_and_unmapped_after_its_devices_finish():
     cp = FakeCupy()
-    mapped = MappedHost(cp)
+    mapped = MappedHost(cp, device=2)
     buf = mmap.mmap(-1, 1 << 16)
     start = _address(buf)
     assert mapped.add("arena-a", buf)
-    assert cp.cuda.runtime.calls == [("register", start, 1 << 16, 0x03)]  # portable and mapped
+    assert mapped.add("arena-a", buf)  # seen twice (announced while the watch began): registered once
+    assert cp.cuda.runtime.calls == [("register", start, 1 << 16, 0x03, 2)]  # portable and mapped, on its device
     assert mapped.device_address(start + 100, 50, device=1) == start + 100 + OFFSET
     assert mapped.device_address(start + (1 << 16) - 8, 16, device=1) is None  # runs past the range
     assert mapped.device_address(start - 64, 8, device=1) is None
     mapped.remove("arena-a")
-    assert cp.cuda.runtime.calls[1:] == [("synchronize", 1), ("unregister", start)]  # device 1 read it
+    assert cp.cuda.runtime.calls[1:] == [("synchronize", 1), ("unregister", start, 2)]  # device 1 read it
     assert len(mapped) == 0 and mapped.device_address(start + 100, 50, device=1) is None
     mapped.remove("arena-a")  # twice: nothing more
     assert len(cp.cuda.runtime.calls) == 3

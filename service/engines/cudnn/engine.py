@@ -140,7 +140,7 @@ class CudnnEngine(Engine):
             with self._ctx.device, self._ctx.stream:
                 self._conv = Converter(cp, self.precision)
                 self._staging = HostStaging(cp)
-                self._mapped = mapped_host(cp)  # front-end arenas, readable by the device (see input_rows)
+                self._mapped = mapped_host(cp, int(device_id))  # front-end arenas, readable by the device (see input_rows)
                 self._blocking_sync = blocking_sync
                 self._prec = self._build_runners(BlockRunner, prec, force_per_matrix_upload)
                 steps = max(1, int(tune_steps))

@@ -31,10 +31,15 @@ _REGISTER_PORTABLE, _REGISTER_MAPPED = 0x01, 0x02
 
 
 class MappedHost:
-    """The host ranges this process has page-locked and mapped for its devices."""
+    """The host ranges this process has page-locked and mapped for its devices.
 
-    def __init__(self, cp: Any) -> None:
+    Registrations are made with ``device`` current (portable: every device sees them), so that an
+    announcement on a thread whose current device is another one creates no context there.
+    """
+
+    def __init__(self, cp: Any, device: int = 0) -> None:
         self._cp = cp
+        self._device = device
         self._lock = threading.Lock()
         self._starts: list[int] = []  # sorted host start addresses
         self._ranges: dict[int, tuple[int, int, str]] = {}  # start -> (size, device address, key)
@@ -48,9 +53,13 @@ class MappedHost:
         start, size = int(view.ctypes.data), int(view.nbytes)
         if size == 0:
             return False
+        with self._lock:
+            if key in self._by_key:  # announced while the watch began: seen twice
+                return True
         try:
-            cp.cuda.runtime.hostRegister(start, size, _REGISTER_PORTABLE | _REGISTER_MAPPED)
-            device_address = int(cp.cuda.runtime.pointerGetAttributes(start).devicePointer)
+            with cp.cuda.Device(self._device):
+                cp.cuda.runtime.hostRegister(start, size, _REGISTER_PORTABLE | _REGISTER_MAPPED)
+                device_address = int(cp.cuda.runtime.pointerGetAttributes(start).devicePointer)
         except Exception as exc:  # noqa: BLE001 - CUDARuntimeError: the batches merge on the host instead
             log.warning("could not map front-end arena %s (%d bytes) for the GPU (%s); its batches merge on the "
                         "host", key, size, exc)
@@ -75,7 +84,8 @@ class MappedHost:
             for device in devices:
                 with cp.cuda.Device(device):
                     cp.cuda.runtime.deviceSynchronize()
-            cp.cuda.runtime.hostUnregister(start)
+            with cp.cuda.Device(self._device):
+                cp.cuda.runtime.hostUnregister(start)
         except Exception as exc:  # noqa: BLE001 - a failing device; the mapping goes with the process
             log.warning("could not unmap front-end arena %s: %s", key, exc)
 
@@ -103,11 +113,12 @@ _mapped: MappedHost | None = None
 _install_lock = threading.Lock()
 
 
-def mapped_host(cp: Any) -> MappedHost:
-    """This process's MappedHost, watching announced arenas from its first call on."""
+def mapped_host(cp: Any, device: int = 0) -> MappedHost:
+    """This process's MappedHost, watching announced arenas from its first call on (registering them with
+    ``device``, the first caller's, current)."""
     global _mapped
     with _install_lock:
         if _mapped is None:
-            _mapped = MappedHost(cp)
+            _mapped = MappedHost(cp, device)
             shared_host.watch(_mapped.add, _mapped.remove)
         return _mapped
