@@ -174,6 +174,8 @@ def _client(path: str, model: str, generation: int, concurrency: int, seconds: f
         def on_reply(sent: int, fut: asyncio.Future) -> None:
             nonlocal done
             if fut.exception() is not None:
+                if finished.done():  # in flight when the run ended and the connection closed
+                    return
                 raise fut.exception()
             done += per_submit
             if streams:
