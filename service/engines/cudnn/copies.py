@@ -271,7 +271,9 @@ def gather_rows(cp: Any, table: Any, unit: int, out: Any) -> Any:
         return out
     r = out.nbytes // n // unit
     total = n * r
-    _kernels(cp)[f"rows_{unit}"]((_grid(total),), (_THREADS,), (table[0], table[1], out, np.int64(n), np.int64(r)))
+    ptr = table.data.ptr  # the table's two rows by address: a CuPy slice per row cost more than the launch
+    _kernels(cp)[f"rows_{unit}"]((_grid(total),), (_THREADS,),
+                                 (np.uint64(ptr), np.uint64(ptr + 8 * n), out, np.int64(n), np.int64(r)))
     return out
 
 

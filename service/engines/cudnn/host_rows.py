@@ -42,22 +42,24 @@ def host_rows(mapped: MappedHost, xs: list[np.ndarray], t_max: int, dtype: np.dt
     """The batch of requests ``xs`` (each [b, Ts, F]) padded to ``t_max`` steps, as HostRows; None unless every
     one is a C-contiguous ``dtype`` array in memory ``device`` can read (then the caller merges on the host)."""
     feat = int(xs[0].shape[2])
-    item = dtype.itemsize
-    row_bytes = t_max * feat * item
+    step_bytes = feat * dtype.itemsize
+    align = t_max * step_bytes | _MAX_UNIT
     addresses: list[int] = []
     valid: list[int] = []
-    align = row_bytes | _MAX_UNIT
+    locate = mapped.device_address
     for x in xs:
         if x.dtype != dtype or not x.flags.c_contiguous or x.shape[2] != feat:
             return None
-        address = mapped.device_address(x.ctypes.data, x.nbytes, device)
+        b, t = x.shape[0], x.shape[1]
+        address = locate(x.ctypes.data, x.nbytes, device)
         if address is None:
             return None
-        pitch = int(x.shape[1]) * feat * item
-        keep = min(int(x.shape[1]), t_max) * feat * item
+        pitch = t * step_bytes
+        keep = (t if t < t_max else t_max) * step_bytes
         align |= address | pitch | keep
-        addresses.extend(range(address, address + pitch * int(x.shape[0]), pitch))
-        valid.extend([keep] * int(x.shape[0]))
-    table = np.array([addresses, valid], dtype=np.int64)
+        addresses.extend(range(address, address + pitch * b, pitch))
+        valid.extend((keep,) * b)
+    n = len(addresses)
+    table = np.array(addresses + valid, dtype=np.int64).reshape(2, n)
     unit = align & -align  # the largest power of two dividing every address and length, at most _MAX_UNIT
-    return HostRows((len(addresses), t_max, feat), dtype, table, unit, list(xs))
+    return HostRows((n, t_max, feat), dtype, table, unit, list(xs))
