@@ -10,6 +10,7 @@ up to the batch's length (its own padding included), zeros after.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import numpy as np
 
 from .mapped import MappedHost
@@ -34,6 +35,7 @@ class HostRows:
 
     @property
     def ndim(self) -> int:
+        """3, as the [N, T, F] array it stands for (what input checks read)."""
         return 3
 
 

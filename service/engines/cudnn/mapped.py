@@ -3,7 +3,7 @@
 With ``rnnserve serve --frontends N`` a request's input lies in its front-end's shared-memory
 arena (:mod:`service.dataplane.arena`). Merging a batch on the host meant copying every row
 into a pinned buffer (and zeroing the padding) on the engine process's one busy thread before
-one upload: 171 µs for 20 requests in 8 parts on an H100 host (``bench/batch_launch.py``).
+one upload: 171 µs for 20 requests in 8 parts on an H100 host (``bench/results/h100-2026-11-23f``).
 Registered with ``cudaHostRegister`` (mapped, portable), the arena is readable by the device
 itself, and one gather kernel (:func:`.copies.gather_rows`) builds the padded batch on the GPU
 from a table of row addresses: the host writes only that table.
@@ -12,7 +12,9 @@ Registration is process-wide (portable) and happens when an arena is announced
 (:mod:`service.engines.shared_host`), once per front-end connection; an arena is unregistered
 when its front-end goes, after the devices that read it have finished (a batch still queued
 with rows in it then finds it unmapped and merges on the host, as before). A device or driver
-that refuses the registration leaves the arena unmapped: batches merge on the host.
+that refuses the registration leaves the arena unmapped: batches merge on the host. A batch of one
+part (nothing to merge) is staged through pinned memory as before (see
+:func:`service.scheduler.batching.merge`).
 """
 from __future__ import annotations
 
