@@ -145,3 +145,37 @@ def test_an_arena_announced_before_the_engine_is_mapped_and_float16_engines_merg
         np.testing.assert_allclose(np.concatenate([g["h_n"] for g in got]), ref.h_n, rtol=1e-2, atol=1e-2)
     finally:
         half.close()
+
+
+def test_stream_chunks_from_a_mapped_arena_continue_their_states_as_chunks_merged_on_the_host(lstm, announced):
+    """Chunks of 2 KB and more travel in the arenas too: gathered batches of stream chunks (state slots read and
+    written on the GPU) give what the same chunks merged on the host give, chunk after chunk."""
+    _, engine = lstm
+    _, buf = announced()
+    rng = np.random.default_rng(8)
+    streams, steps = 5, [13, 20, 7]
+    whole = [rng.standard_normal((1, sum(steps), 7)).astype(np.float32) for _ in range(streams)]
+    results = {}
+    for where in ("arena", "host"):
+        pool = engine.state_pool(streams)
+        slots = [pool.acquire() for _ in range(streams)]
+        offset, got = 0, []
+        for j, t in enumerate(steps):
+            start = sum(steps[:j])
+            parts = []
+            for k in range(streams):
+                chunk = np.ascontiguousarray(whole[k][:, start:start + t])
+                if where == "arena":
+                    placed = np.ndarray(chunk.shape, chunk.dtype, buffer=buf, offset=offset)
+                    placed[...] = chunk
+                    offset += (chunk.nbytes + 63) // 64 * 64
+                    chunk = placed
+                parts.append(SequenceWork(chunk, np.array([t - k % 3]), outputs=frozenset({"output"}),
+                                          pool=pool, slot=slots[k], resume=j > 0))
+            merged, out = _run(engine, parts)
+            assert isinstance(merged.x, HostRows) == (where == "arena")
+            got.append([o["output"] for o in out])
+        results[where] = got
+    for a, h in zip(results["arena"], results["host"]):
+        for x, y in zip(a, h):
+            np.testing.assert_array_equal(x, y)
