@@ -49,12 +49,6 @@ def watch(on_add: Callable[[str, Any], None], on_remove: Callable[[str], None]) 
         _call(on_add, key, buffer)
 
 
-def unwatch(on_add: Callable[[str, Any], None]) -> None:
-    """Stop calling the watcher registered with ``on_add`` (tests)."""
-    with _lock:
-        _watchers[:] = [w for w in _watchers if w[0] is not on_add]
-
-
 def _call(fn: Callable[..., None], *args: Any) -> None:
     # a watcher that fails (a device that refuses to map memory) costs its own speed-up, never the attach
     try:

@@ -165,9 +165,10 @@ async def test_a_call_that_cannot_be_sent_gives_its_places_back(engine_side):
 
 
 @needs_shm
-def test_an_attached_arena_is_announced_to_device_engines_until_detached():
+def test_an_attached_arena_is_announced_to_device_engines_until_detached(monkeypatch):
     from service.engines import shared_host
 
+    monkeypatch.setattr(shared_host, "_watchers", [])  # this test's watcher only, gone after it
     seen = []
 
     def on_add(key, buffer):
@@ -182,5 +183,4 @@ def test_an_attached_arena_is_announced_to_device_engines_until_detached():
         arenas.detach(arena.path)
         arenas.detach(arena.path)  # again: announced once, withdrawn once
         arena.close()
-        shared_host.unwatch(on_add)
     assert seen == [("add", arena.path, arena.size), ("remove", arena.path)]
