@@ -16,6 +16,9 @@ lower bound. The table prints requests/s, p50/p99 latency in ms, and from the se
 The default client (``--client lean``) sends pre-encoded requests on raw keep-alive
 HTTP connections or a raw gRPC channel and parses each answer, so that the numbers are
 the server's; ``--client standard`` drives aiohttp and tritonclient.grpc.aio instead.
+Its grpc runs with rnnserve's grpc core settings (``service/transports/grpc/core_config.py``)
+unless ``GRPC_EXPERIMENTS`` is set: ``GRPC_EXPERIMENTS= python bench/serve.py`` gives client and
+started server grpc's defaults.
 
 The ``streams`` scenario (in the default run; alone with ``--scenario streams``)
 serves a second LSTM, ``bench_stream`` (2 layers, H=256 by default, max_batch_size
@@ -58,6 +61,9 @@ from procstat import CpuSampler
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# The load generator's grpc runs with the server's core settings (GRPC_EXPERIMENTS unless set; set it
+# empty for grpc's defaults in both, as the started server inherits it). Imported before any grpc.
+import service.transports.grpc.core_config  # noqa: E402,F401
 
 LINE = re.compile(r"rnnserve: HTTP on ([^:\s]+):(\d+), (?:gRPC on ([^:\s]+):(\d+)|gRPC off)")
 HEADER = "Inference-Header-Content-Length"
@@ -97,11 +103,13 @@ def write_repository(repo: Path, features: int, hidden: int, layers: int, extra:
     (repo / "bench_nobatch" / "config.json").write_text(json.dumps({"max_batch_size": 1, **(extra or {})}))
 
 
-def start_server(repo: Path, device: str, extra: list[str], cpus: list[int] | None = None
-                 ) -> tuple[subprocess.Popen, str, str | None]:
+def start_server(repo: Path, device: str, extra: list[str], cpus: list[int] | None = None,
+                 grpc_experiments: str | None = None) -> tuple[subprocess.Popen, str, str | None]:
+    """``rnnserve serve`` on free ports; ``grpc_experiments``: the server's GRPC_EXPERIMENTS (None: this one's)."""
     cmd = [sys.executable, "-m", "service.cli", "serve", "--repository", str(repo), "--host", "127.0.0.1",
            "--http-port", "0", "--grpc-port", "0", "--device", device, "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    env = None if grpc_experiments is None else {**os.environ, "GRPC_EXPERIMENTS": grpc_experiments}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             preexec_fn=(lambda: pin(cpus)) if cpus else None)
     lines = []
     for line in proc.stdout:
@@ -1055,6 +1063,9 @@ def main(argv: list[str] | None = None) -> int:
                         "clients do not take CPU time from the server, as when they run on other machines")
     p.add_argument("--server-cpus", type=cpu_list, default=None,
                    help="CPUs the started server (all its processes) runs on, e.g. 0-9 (default: any)")
+    p.add_argument("--server-grpc-experiments", default=None,
+                   help="GRPC_EXPERIMENTS of the started server only, e.g. '' for grpc's defaults (default: the "
+                        "load generator's, which is rnnserve's setting unless GRPC_EXPERIMENTS is set)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
 
@@ -1071,7 +1082,7 @@ def main(argv: list[str] | None = None) -> int:
         write_stream_model(repo, args.features, args.stream_hidden, args.stream_layers, extra)
         proc, http_url, grpc_url = start_server(repo, args.device, ["--frontends", str(args.frontends),
                                                                     "--engines", str(args.engines)],
-                                                args.server_cpus)
+                                                args.server_cpus, args.server_grpc_experiments)
         args.server_pid = proc.pid
         models = ["bench", "bench_nobatch"]
     rows: list[dict] = []
