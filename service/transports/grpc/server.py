@@ -8,9 +8,10 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from .generated import inference_pb2 as pb
 from .generated import inference_pb2_grpc as pb_grpc
 from .servicer import InferenceServicer
-from .status import ErrorMappingInterceptor
+from .status import map_errors
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 SERVICE_NAME = "inference.GRPCInferenceService"
@@ -103,14 +104,14 @@ def create_grpc_server(
     event loop that will run the server.
     """
     server = aio.server(
-        interceptors=[ErrorMappingInterceptor()],
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ],
     )
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(dataplane), server)
-    health = ReadinessHealthServicer(dataplane)
+    servicer = map_errors(InferenceServicer(dataplane), pb.DESCRIPTOR.services_by_name["GRPCInferenceService"])
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    health = map_errors(ReadinessHealthServicer(dataplane), health_pb2.DESCRIPTOR.services_by_name["Health"])
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
 
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
