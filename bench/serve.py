@@ -732,6 +732,30 @@ def standard_chunk_sender(grpc_url: str, model: str, n: int):
     return send, warm, close
 
 
+def _chunk_request(pb, model: str, x: np.ndarray, seq: dict | None, h: np.ndarray, c: np.ndarray):
+    """A chunk's ModelInferRequest: raw_input_contents, Triton's sequence parameters or h_0/c_0."""
+    req = pb.ModelInferRequest(model_name=model)
+    arrays = [("input", x)] if seq is not None else [("input", x), ("h_0", h), ("c_0", c)]
+    for name, arr in arrays:
+        req.inputs.add(name=name, datatype="FP32", shape=list(arr.shape))
+        req.raw_input_contents.append(arr.tobytes())
+    for name in (("output",) if seq is not None else ("output", "h_n", "c_n")):
+        req.outputs.add(name=name)
+    if seq is not None:
+        req.parameters["sequence_id"].int64_param = seq["sequence_id"]
+        req.parameters["sequence_start"].bool_param = seq["sequence_start"]
+        req.parameters["sequence_end"].bool_param = seq["sequence_end"]
+    return req
+
+
+def _chunk_states(resp, seq: dict | None, h: np.ndarray, c: np.ndarray):
+    """(h_n, c_n) of a stateless chunk's ModelInferResponse; None for a stateful one."""
+    if seq is not None:
+        return None
+    raw = [np.frombuffer(r, np.float32) for r in resp.raw_output_contents]
+    return raw[1].reshape(h.shape), raw[2].reshape(c.shape)
+
+
 def lean_chunk_sender(grpc_url: str, model: str, n: int):
     """Raw ModelInfer calls (raw_input_contents, Triton's sequence parameters): the client's own cost is small."""
     import grpc
@@ -741,20 +765,9 @@ def lean_chunk_sender(grpc_url: str, model: str, n: int):
     calls = [ch.unary_unary("/inference.GRPCInferenceService/ModelInfer") for ch in channels]
 
     async def send(k: int, x: np.ndarray, seq: dict | None, h: np.ndarray, c: np.ndarray):
-        req = pb.ModelInferRequest(model_name=model)
-        arrays = [("input", x)] if seq is not None else [("input", x), ("h_0", h), ("c_0", c)]
-        for name, arr in arrays:
-            req.inputs.add(name=name, datatype="FP32", shape=list(arr.shape))
-            req.raw_input_contents.append(arr.tobytes())
-        for name in (("output",) if seq is not None else ("output", "h_n", "c_n")):
-            req.outputs.add(name=name)
-        if seq is not None:
-            req.parameters["sequence_id"].int64_param = seq["sequence_id"]
-            req.parameters["sequence_start"].bool_param = seq["sequence_start"]
-            req.parameters["sequence_end"].bool_param = seq["sequence_end"]
+        req = _chunk_request(pb, model, x, seq, h, c)
         resp = pb.ModelInferResponse.FromString(await calls[k % len(calls)](req.SerializeToString()))
-        raw = [np.frombuffer(r, np.float32) for r in resp.raw_output_contents]
-        return None if seq is not None else (raw[1].reshape(h.shape), raw[2].reshape(c.shape))
+        return _chunk_states(resp, seq, h, c)
 
     async def warm() -> None:
         live = [ch.unary_unary("/inference.GRPCInferenceService/ServerLive") for ch in channels]
@@ -767,9 +780,42 @@ def lean_chunk_sender(grpc_url: str, model: str, n: int):
     return send, warm, close
 
 
+def lean_bidi_chunk_sender(grpc_url: str, model: str, n: int):
+    """One ModelStreamInfer call per stream (as ``tritonclient.grpc``'s ``start_stream`` keeps one open),
+    each chunk a raw request on it and its answer read back before the next: ``--stream-rpc bidi``."""
+    import grpc
+    from service.transports.grpc.generated import inference_pb2 as pb
+
+    channels = [grpc.aio.insecure_channel(grpc_url, options=OWN_CONNECTION) for _ in range(grpc_connections(n))]
+    open_stream = [ch.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer") for ch in channels]
+    streams: dict[int, object] = {}
+
+    async def send(k: int, x: np.ndarray, seq: dict | None, h: np.ndarray, c: np.ndarray):
+        call = streams.get(k)
+        if call is None:
+            call = streams[k] = open_stream[k % len(open_stream)]()
+        await call.write(_chunk_request(pb, model, x, seq, h, c).SerializeToString())
+        answer = pb.ModelStreamInferResponse.FromString(await call.read())
+        if answer.error_message:
+            raise RuntimeError(answer.error_message)
+        return _chunk_states(answer.infer_response, seq, h, c)
+
+    async def warm() -> None:
+        live = [ch.unary_unary("/inference.GRPCInferenceService/ServerLive") for ch in channels]
+        await asyncio.gather(*(call(pb.ServerLiveRequest().SerializeToString()) for call in live))
+
+    async def close() -> None:
+        for call in streams.values():
+            await call.done_writing()
+        for ch in channels:
+            await ch.close()
+
+    return send, warm, close
+
+
 async def stream_cell(grpc_url: str, model: str, first: int, n: int, chunks: int, steps: int, features: int,
                       stateful: bool, state_shape: tuple[int, int], interval: float = 0.0,
-                      base: int = 0, total: int = 0, client: str = "lean"
+                      base: int = 0, total: int = 0, client: str = "lean", rpc: str = "unary"
                       ) -> tuple[list[float], int, float, list[float]]:
     """Streams ``first..first+n-1``, concurrently, each sending ``chunks`` chunks of ``steps`` steps in order.
 
@@ -779,14 +825,18 @@ async def stream_cell(grpc_url: str, model: str, first: int, n: int, chunks: int
     ``start + offset_k + j * interval`` (or at once when the answer to j-1 came later), like a
     live source producing ``steps`` frames every ``interval`` seconds; offsets spread the streams
     over one interval (``total``: the streams of all processes). ``client``: "lean" (raw gRPC
-    calls) or "standard" (tritonclient.grpc.aio). Returns (latencies in s, errors, elapsed s, send times).
+    calls) or "standard" (tritonclient.grpc.aio). ``rpc``: "unary" (a ModelInfer call per chunk) or
+    "bidi" (lean only: one ModelStreamInfer call per stream). Returns (latencies in s, errors, elapsed s,
+    send times).
     """
     rng = np.random.default_rng(3)
     xs = [rng.standard_normal((1, steps, features)).astype(np.float32) for _ in range(8)]
     latencies: list[float] = []
     sends: list[float] = []  # perf_counter (CLOCK_MONOTONIC: one clock for every process) of each send
     errors = 0
-    send, warm, close = (lean_chunk_sender if client == "lean" else standard_chunk_sender)(grpc_url, model, n)
+    senders = {("lean", "unary"): lean_chunk_sender, ("lean", "bidi"): lean_bidi_chunk_sender,
+               ("standard", "unary"): standard_chunk_sender}
+    send, warm, close = senders[(client, rpc)](grpc_url, model, n)
     # Connections are opened (and the front-ends' gRPC paths used once) before the clock starts, as a live
     # source's client keeps its connection; every chunk of every stream is measured, its first included.
     await warm()
@@ -912,7 +962,7 @@ async def bench_streams(args: argparse.Namespace, http_url: str, grpc_url: str |
     state_shape = (int(h_shape[1]), int(h_shape[2]))
     job = {"grpc_url": grpc_url, "model": args.stream_model, "steps": args.chunk_steps, "features": args.features,
            "state_shape": state_shape, "base": int(time.time() * 1000) % 1_000_000 * 10_000, "client": args.client,
-           "gc_off": args.client_gc == "off", "cpus": args.client_cpus}
+           "rpc": args.stream_rpc, "gc_off": args.client_gc == "off", "cpus": args.client_cpus}
     # warm the model (first batches of each size) before measuring
     await stream_cell(first=0, n=16, chunks=3, stateful=True, interval=0.0,
                       **{k: v for k, v in job.items() if k not in ("gc_off", "cpus")})
@@ -1045,6 +1095,9 @@ def main(argv: list[str] | None = None) -> int:
                         "10-step chunk every 100 ms is real time for 10 ms audio frames)")
     p.add_argument("--paced-seconds", type=float, default=5.0,
                    help="how long each paced (T > 0) streams cell runs (default 5 s)")
+    p.add_argument("--stream-rpc", choices=["unary", "bidi"], default="unary",
+                   help="how stream chunks travel: a ModelInfer call each (default) or, with --client lean, one "
+                        "ModelStreamInfer call per stream kept open for all its chunks")
     p.add_argument("--stream-hidden", type=int, default=256, help="H of the streaming LSTM (default 256)")
     p.add_argument("--stream-layers", type=int, default=2, help="layers of the streaming LSTM (default 2)")
     p.add_argument("--stream-model", default="bench_stream", help="model the streams drive (default bench_stream)")
@@ -1068,6 +1121,8 @@ def main(argv: list[str] | None = None) -> int:
                         "load generator's, which is rnnserve's setting unless GRPC_EXPERIMENTS is set)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
+    if args.stream_rpc == "bidi" and args.client != "lean":
+        p.error("--stream-rpc bidi needs --client lean")
 
     proc = None
     tmp = None
@@ -1106,7 +1161,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.scenario == "streams":
                 asyncio.run(_ready(http_url))
             print(f"\nrnnserve streams: LSTM I={args.features} H={args.stream_hidden} L={args.stream_layers}, "
-                  f"{args.chunk_steps}-step chunks over gRPC, stateful (sequence_id) vs stateless (client sends "
+                  f"{args.chunk_steps}-step chunks over gRPC "
+                  f"({'a ModelStreamInfer call per stream' if args.stream_rpc == 'bidi' else 'a ModelInfer call each'}), stateful (sequence_id) vs stateless (client sends "
                   f"h_0/c_0), {os.cpu_count()} CPUs, device {args.device}")
             print(STREAM_HEAD, flush=True)
             stream_rows = asyncio.run(bench_streams(args, http_url, grpc_url))
