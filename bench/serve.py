@@ -67,6 +67,8 @@ import service.transports.grpc.core_config  # noqa: E402,F401
 
 LINE = re.compile(r"rnnserve: HTTP on ([^:\s]+):(\d+), (?:gRPC on ([^:\s]+):(\d+)|gRPC off)")
 HEADER = "Inference-Header-Content-Length"
+# What the started server printed after its start line (warnings: --log-level warning).
+SERVER_LOG: list[str] = []
 
 
 # ---- server ----------------------------------------------------------------------------------------------
@@ -118,7 +120,7 @@ def start_server(repo: Path, device: str, extra: list[str], cpus: list[int] | No
         if m:
             import threading
 
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            threading.Thread(target=lambda: SERVER_LOG.extend(proc.stdout), daemon=True).start()
             grpc = f"{m.group(3)}:{m.group(4)}" if m.group(3) else None
             return proc, f"{m.group(1)}:{m.group(2)}", grpc
     raise RuntimeError("rnnserve did not start:\n" + "".join(lines))
@@ -899,10 +901,31 @@ def _stream_process(job: dict) -> tuple[list[float], int, float, list[float], fl
     watch = GcPauses()
     gc.callbacks.append(watch)
     try:
-        return (*run_loop(stream_cell(**job)), max(watch.pauses, default=0.0))
+        (lats, errors, elapsed, sends), late = run_loop(_watching_lag(stream_cell(**job)))
+        return lats, errors, elapsed, sends, max(watch.pauses, default=0.0), late
     finally:
         gc.callbacks.remove(watch)
         gc.enable()
+
+
+async def _watching_lag(main, tick_s: float = 0.005):
+    """(``main``'s result, the lateness in s of each of this loop's ``tick_s`` timers that came 2 ms or
+    more late while it ran): a load generator whose loop is late delays every answer it is waiting for."""
+    loop = asyncio.get_running_loop()
+    late: list[float] = []
+
+    async def watch() -> None:
+        while True:
+            due = loop.time() + tick_s
+            await asyncio.sleep(tick_s)
+            if loop.time() - due >= 0.002:
+                late.append(loop.time() - due)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await main, late
+    finally:
+        watcher.cancel()
 
 
 def run_streams(job: dict, n: int, clients: int) -> dict:
@@ -919,15 +942,24 @@ def run_streams(job: dict, n: int, clients: int) -> dict:
         with mp.get_context("spawn").Pool(clients) as pool:
             results = pool.map(_stream_process, jobs)
     latencies = [lat for lats, *_ in results for lat in lats]
-    sends = np.asarray([t for _, _, _, ts, _ in results for t in ts])
-    elapsed = max(e for _, _, e, _, _ in results)
+    sends = np.asarray([t for _, _, _, ts, _, _ in results for t in ts])
+    elapsed = max(e for _, _, e, _, _, _ in results)
+    late = [x for *_, lags in results for x in lags]
     lat = np.asarray(latencies) * 1000
     return {"mode": "stateful" if job["stateful"] else "stateless", "streams": n, "chunks": len(latencies),
             "chunk_steps": job["steps"], "interval_ms": job["interval"] * 1000, "clients": clients,
-            "errors": sum(e for _, e, _, _, _ in results), "chunks_per_s": len(latencies) / elapsed,
-            "client_gc_max_ms": 1000 * max(g for *_, g in results),
+            "errors": sum(e for _, e, _, _, _, _ in results), "chunks_per_s": len(latencies) / elapsed,
+            "client_gc_max_ms": 1000 * max(g for *_, g, _ in results),
+            "client_late_max_ms": 1000 * max(late, default=0.0),
+            "client_late_10ms": sum(x >= 0.010 for x in late),
             "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
             "p99_ms": float(np.percentile(lat, 99)) if lat.size else None, **_tail(sends, lat)}
+
+
+def _stalls(lines: list[str]) -> str:
+    """The started server's "event loop was blocked" warnings among ``lines``, summed up ("" when none)."""
+    blocked = [float(m.group(1)) for m in map(re.compile(r"blocked for about (\d+) ms").search, lines) if m]
+    return f"{len(blocked)} event-loop stalls logged, max {max(blocked):.0f} ms" if blocked else ""
 
 
 def _tail(sends: np.ndarray, lat_ms: np.ndarray, slow_ms: float = 10.0, window_s: float = 0.1) -> dict:
@@ -974,8 +1006,10 @@ async def bench_streams(args: argparse.Namespace, http_url: str, grpc_url: str |
                 job["base"] += 100_000
                 cell = {**job, "chunks": chunks, "stateful": stateful, "interval": interval_ms / 1000}
                 before = server_counters(http_url, args.stream_model)
+                logged = len(SERVER_LOG)
                 row = await asyncio.to_thread(run_streams, cell, n, args.clients)
                 row.update(server_side(before, server_counters(http_url, args.stream_model)))
+                row["server_stalls"] = _stalls(SERVER_LOG[logged:])
                 rows.append(row)
                 print(_format_stream_row(row), flush=True)
     return rows
@@ -993,6 +1027,9 @@ def _format_stream_row(r: dict) -> str:
             f"{num(r.get('server_slow'), 'd'):>10} | "
             f"{num(None if r['slow_in_worst_5'] is None else 100 * r['slow_in_worst_5'], '.0f'):>7} | {r['errors']:>6} |"
             + f" client GC pause max {r['client_gc_max_ms']:.1f} ms"
+            + (f"; client loops late max {r['client_late_max_ms']:.1f} ms ({r['client_late_10ms']} times >= 10 ms)"
+               if "client_late_max_ms" in r else "")
+            + (f"; server: {r['server_stalls']}" if r.get("server_stalls") else "")
             + (f"; worst windows at {r['worst_windows_s']} s" if r.get("worst_windows_s") else ""))
 
 
