@@ -957,9 +957,15 @@ def run_streams(job: dict, n: int, clients: int) -> dict:
 
 
 def _stalls(lines: list[str]) -> str:
-    """The started server's "event loop was blocked" warnings among ``lines``, summed up ("" when none)."""
-    blocked = [float(m.group(1)) for m in map(re.compile(r"blocked for about (\d+) ms").search, lines) if m]
-    return f"{len(blocked)} event-loop stalls logged, max {max(blocked):.0f} ms" if blocked else ""
+    """The started server's warnings among ``lines`` about event-loop stalls and garbage-collection
+    pauses (each delays every request of that process), summed up ("" when none)."""
+    found = []
+    for what, pattern in (("event-loop stalls", r"blocked for about (\d+) ms"),
+                          ("GC pauses", r"paused this process for ([\d.]+) ms")):
+        times = [float(m.group(1)) for m in map(re.compile(pattern).search, lines) if m]
+        if times:
+            found.append(f"{len(times)} {what} logged, max {max(times):.0f} ms")
+    return "; ".join(found)
 
 
 def _tail(sends: np.ndarray, lat_ms: np.ndarray, slow_ms: float = 10.0, window_s: float = 0.1) -> dict:
