@@ -106,10 +106,11 @@ def write_repository(repo: Path, features: int, hidden: int, layers: int, extra:
 
 
 def start_server(repo: Path, device: str, extra: list[str], cpus: list[int] | None = None,
-                 grpc_experiments: str | None = None) -> tuple[subprocess.Popen, str, str | None]:
+                 grpc_experiments: str | None = None, log_level: str = "warning"
+                 ) -> tuple[subprocess.Popen, str, str | None]:
     """``rnnserve serve`` on free ports; ``grpc_experiments``: the server's GRPC_EXPERIMENTS (None: this one's)."""
     cmd = [sys.executable, "-m", "service.cli", "serve", "--repository", str(repo), "--host", "127.0.0.1",
-           "--http-port", "0", "--grpc-port", "0", "--device", device, "--log-level", "warning", *extra]
+           "--http-port", "0", "--grpc-port", "0", "--device", device, "--log-level", log_level, *extra]
     env = None if grpc_experiments is None else {**os.environ, "GRPC_EXPERIMENTS": grpc_experiments}
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             preexec_fn=(lambda: pin(cpus)) if cpus else None)
@@ -961,7 +962,8 @@ def _stalls(lines: list[str]) -> str:
     pauses (each delays every request of that process), summed up ("" when none)."""
     found = []
     for what, pattern in (("event-loop stalls", r"blocked for about (\d+) ms"),
-                          ("GC pauses", r"paused this process for ([\d.]+) ms")):
+                          ("GC pauses", r"paused this process for ([\d.]+) ms"),
+                          ("CUDA graph captures", r"captured a CUDA graph for .* in ([\d.]+) ms")):
         times = [float(m.group(1)) for m in map(re.compile(pattern).search, lines) if m]
         if times:
             found.append(f"{len(times)} {what} logged, max {max(times):.0f} ms")
@@ -1162,6 +1164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-grpc-experiments", default=None,
                    help="GRPC_EXPERIMENTS of the started server only, e.g. '' for grpc's defaults (default: the "
                         "load generator's, which is rnnserve's setting unless GRPC_EXPERIMENTS is set)")
+    p.add_argument("--server-log-level", default="warning", choices=["warning", "info"],
+                   help="--log-level of the started server (info: streams rows also count its CUDA graph captures)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.stream_rpc == "bidi" and args.client != "lean":
@@ -1180,7 +1184,7 @@ def main(argv: list[str] | None = None) -> int:
         write_stream_model(repo, args.features, args.stream_hidden, args.stream_layers, extra)
         proc, http_url, grpc_url = start_server(repo, args.device, ["--frontends", str(args.frontends),
                                                                     "--engines", str(args.engines)],
-                                                args.server_cpus, args.server_grpc_experiments)
+                                                args.server_cpus, args.server_grpc_experiments, args.server_log_level)
         args.server_pid = proc.pid
         models = ["bench", "bench_nobatch"]
     rows: list[dict] = []
