@@ -1143,6 +1143,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-rpc", choices=["unary", "bidi"], default="unary",
                    help="how stream chunks travel: a ModelInfer call each (default) or, with --client lean, one "
                         "ModelStreamInfer call per stream kept open for all its chunks")
+    p.add_argument("--stream-queue-delay-us", type=int, default=None,
+                   help="max_queue_delay_us of the started server's stream model (default: the server's, 0)")
     p.add_argument("--stream-hidden", type=int, default=256, help="H of the streaming LSTM (default 256)")
     p.add_argument("--stream-layers", type=int, default=2, help="layers of the streaming LSTM (default 2)")
     p.add_argument("--stream-model", default="bench_stream", help="model the streams drive (default bench_stream)")
@@ -1181,7 +1183,9 @@ def main(argv: list[str] | None = None) -> int:
         repo = Path(tmp.name) / "models"
         extra = {} if args.graph_memory_mb is None else {"cuda_graph_memory_mb": args.graph_memory_mb}
         write_repository(repo, args.features, args.hidden, args.layers, extra)
-        write_stream_model(repo, args.features, args.stream_hidden, args.stream_layers, extra)
+        stream_extra = extra if args.stream_queue_delay_us is None else {
+            **extra, "max_queue_delay_us": args.stream_queue_delay_us}
+        write_stream_model(repo, args.features, args.stream_hidden, args.stream_layers, stream_extra)
         proc, http_url, grpc_url = start_server(repo, args.device, ["--frontends", str(args.frontends),
                                                                     "--engines", str(args.engines)],
                                                 args.server_cpus, args.server_grpc_experiments, args.server_log_level)
