@@ -55,6 +55,7 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 from procstat import CpuSampler
@@ -818,7 +819,8 @@ def lean_bidi_chunk_sender(grpc_url: str, model: str, n: int):
 
 async def stream_cell(grpc_url: str, model: str, first: int, n: int, chunks: int, steps: int, features: int,
                       stateful: bool, state_shape: tuple[int, int], interval: float = 0.0,
-                      base: int = 0, total: int = 0, client: str = "lean", rpc: str = "unary"
+                      base: int = 0, total: int = 0, client: str = "lean", rpc: str = "unary",
+                      phases: str = "even", start_at: Callable[[], float] | None = None
                       ) -> tuple[list[float], int, float, list[float]]:
     """Streams ``first..first+n-1``, concurrently, each sending ``chunks`` chunks of ``steps`` steps in order.
 
@@ -827,7 +829,10 @@ async def stream_cell(grpc_url: str, model: str, first: int, n: int, chunks: int
     (closed loop: the server's saturation). ``interval`` > 0: stream k sends chunk j at
     ``start + offset_k + j * interval`` (or at once when the answer to j-1 came later), like a
     live source producing ``steps`` frames every ``interval`` seconds; offsets spread the streams
-    over one interval (``total``: the streams of all processes). ``client``: "lean" (raw gRPC
+    over one interval (``total``: the streams of all processes; ``phases`` "even": stream k at k/total of it,
+    "random": at a uniform random point, as independent sources would be), counted from ``start_at()``,
+    which the load-generating processes agree on (else from when this one is ready: processes that started
+    apart would then crowd some parts of the interval and leave others empty). ``client``: "lean" (raw gRPC
     calls) or "standard" (tritonclient.grpc.aio). ``rpc``: "unary" (a ModelInfer call per chunk) or
     "bidi" (lean only: one ModelStreamInfer call per stream). Returns (latencies in s, errors, elapsed s,
     send times).
@@ -866,10 +871,12 @@ async def stream_cell(grpc_url: str, model: str, first: int, n: int, chunks: int
             if states is not None:
                 h, c = states
 
-    t_start = time.perf_counter()
+    t_start = start_at() if start_at is not None else time.perf_counter()
+    spread = max(total, first + n)
+    offsets = ((first + np.arange(n)) / spread if phases == "even"
+               else np.random.default_rng(7).random(spread)[first:first + n])
     try:
-        spread = max(total, first + n)
-        await asyncio.gather(*(one(first + k, t_start + interval * (first + k) / spread) for k in range(n)))
+        await asyncio.gather(*(one(first + k, t_start + interval * float(offsets[k])) for k in range(n)))
     finally:
         await close()
     return latencies, errors, time.perf_counter() - t_start, sends
@@ -888,6 +895,27 @@ class GcPauses:
             self._start = time.perf_counter()
         else:
             self.pauses.append(time.perf_counter() - self._start)
+
+
+class CommonStart:
+    """One start time for every load-generating process of a streams cell: each, once its connections are
+    warm, raises a shared value to its own clock (CLOCK_MONOTONIC: one clock for every process on the host)
+    and waits for the others; all then start a few ms after the last was ready."""
+
+    def __init__(self, ctx: Any, parties: int) -> None:
+        self._barrier = ctx.Barrier(parties)
+        self._latest = ctx.Value("d", 0.0)
+
+    def __call__(self) -> float:
+        with self._latest.get_lock():
+            self._latest.value = max(self._latest.value, time.perf_counter())
+        self._barrier.wait(timeout=120)
+        return self._latest.value + 0.005
+
+
+def _stream_worker(job: dict, start: CommonStart, results: Any, index: int) -> None:
+    """A load-generating process of :func:`run_streams`: puts (index, what :func:`_stream_process` returns)."""
+    results.put((index, _stream_process({**job, "start_at": start})))
 
 
 def _stream_process(job: dict) -> tuple[list[float], int, float, list[float], float]:
@@ -932,6 +960,7 @@ async def _watching_lag(main, tick_s: float = 0.005):
 def run_streams(job: dict, n: int, clients: int) -> dict:
     """``n`` streams from ``clients`` load-generating processes (streams split between them)."""
     import multiprocessing as mp
+    from queue import Empty
 
     clients = max(1, min(clients, n))
     shares = [n // clients + (1 if k < n % clients else 0) for k in range(clients)]
@@ -940,8 +969,22 @@ def run_streams(job: dict, n: int, clients: int) -> dict:
     if clients == 1:
         results = [_stream_process(jobs[0])]
     else:
-        with mp.get_context("spawn").Pool(clients) as pool:
-            results = pool.map(_stream_process, jobs)
+        ctx = mp.get_context("spawn")
+        start, queue = CommonStart(ctx, clients), ctx.Queue()
+        procs = [ctx.Process(target=_stream_worker, args=(j, start, queue, i)) for i, j in enumerate(jobs)]
+        for proc in procs:
+            proc.start()
+        got: dict[int, Any] = {}
+        while len(got) < len(procs):
+            try:
+                index, result = queue.get(timeout=1.0)
+                got[index] = result
+            except Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError("a load-generating process of the streams cell failed (its error is above)")
+        for proc in procs:
+            proc.join()
+        results = [got[i] for i in range(clients)]
     latencies = [lat for lats, *_ in results for lat in lats]
     sends = np.asarray([t for _, _, _, ts, _, _ in results for t in ts])
     elapsed = max(e for _, _, e, _, _, _ in results)
@@ -1002,7 +1045,7 @@ async def bench_streams(args: argparse.Namespace, http_url: str, grpc_url: str |
     state_shape = (int(h_shape[1]), int(h_shape[2]))
     job = {"grpc_url": grpc_url, "model": args.stream_model, "steps": args.chunk_steps, "features": args.features,
            "state_shape": state_shape, "base": int(time.time() * 1000) % 1_000_000 * 10_000, "client": args.client,
-           "rpc": args.stream_rpc, "gc_off": args.client_gc == "off", "cpus": args.client_cpus}
+           "rpc": args.stream_rpc, "phases": args.stream_phases, "gc_off": args.client_gc == "off", "cpus": args.client_cpus}
     # warm the model (first batches of each size) before measuring
     await stream_cell(first=0, n=16, chunks=3, stateful=True, interval=0.0,
                       **{k: v for k, v in job.items() if k not in ("gc_off", "cpus")})
@@ -1140,6 +1183,9 @@ def main(argv: list[str] | None = None) -> int:
                         "10-step chunk every 100 ms is real time for 10 ms audio frames)")
     p.add_argument("--paced-seconds", type=float, default=5.0,
                    help="how long each paced (T > 0) streams cell runs (default 5 s)")
+    p.add_argument("--stream-phases", choices=["even", "random"], default="even",
+                   help="paced streams' send times within the interval: evenly spread over it (default) or at "
+                        "uniform random points, as independent sources would be (bursts of arrivals)")
     p.add_argument("--stream-rpc", choices=["unary", "bidi"], default="unary",
                    help="how stream chunks travel: a ModelInfer call each (default) or, with --client lean, one "
                         "ModelStreamInfer call per stream kept open for all its chunks")
@@ -1214,7 +1260,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nrnnserve streams: LSTM I={args.features} H={args.stream_hidden} L={args.stream_layers}, "
                   f"{args.chunk_steps}-step chunks over gRPC "
                   f"({'a ModelStreamInfer call per stream' if args.stream_rpc == 'bidi' else 'a ModelInfer call each'}), stateful (sequence_id) vs stateless (client sends "
-                  f"h_0/c_0), {os.cpu_count()} CPUs, device {args.device}")
+                  f"h_0/c_0), paced streams' phases {args.stream_phases} over {args.clients} load-generating "
+                  f"processes, {os.cpu_count()} CPUs, device {args.device}")
             print(STREAM_HEAD, flush=True)
             stream_rows = asyncio.run(bench_streams(args, http_url, grpc_url))
     finally:
