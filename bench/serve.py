@@ -871,7 +871,9 @@ async def stream_cell(grpc_url: str, model: str, first: int, n: int, chunks: int
             if states is not None:
                 h, c = states
 
-    t_start = start_at() if start_at is not None else time.perf_counter()
+    # the wait for the other processes runs off this loop, whose lateness is measured (see _watching_lag)
+    t_start = (await asyncio.get_running_loop().run_in_executor(None, start_at) if start_at is not None
+               else time.perf_counter())
     spread = max(total, first + n)
     offsets = ((first + np.arange(n)) / spread if phases == "even"
                else np.random.default_rng(7).random(spread)[first:first + n])
