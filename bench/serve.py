@@ -977,15 +977,20 @@ def run_streams(job: dict, n: int, clients: int) -> dict:
         for proc in procs:
             proc.start()
         got: dict[int, Any] = {}
-        while len(got) < len(procs):
-            try:
-                index, result = queue.get(timeout=1.0)
-                got[index] = result
-            except Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError("a load-generating process of the streams cell failed (its error is above)")
-        for proc in procs:
-            proc.join()
+        try:
+            while len(got) < len(procs):
+                try:
+                    index, result = queue.get(timeout=1.0)
+                    got[index] = result
+                except Empty:
+                    if any(p.exitcode not in (None, 0) for p in procs):
+                        raise RuntimeError("a load-generating process of the streams cell failed (its error is "
+                                           "above)") from None
+        finally:
+            for proc in procs:
+                if len(got) < len(procs):
+                    proc.terminate()  # the others would wait for it at the start barrier
+                proc.join()
         results = [got[i] for i in range(clients)]
     latencies = [lat for lats, *_ in results for lat in lats]
     sends = np.asarray([t for _, _, _, ts, _, _ in results for t in ts])
