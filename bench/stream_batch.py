@@ -4,8 +4,10 @@ Builds the streaming scenario's LSTM (bench/serve.py: I=40, H=256, 2 layers), ga
 N streams' states from their state pool slots and runs one 10-step chunk each, leaving the
 new states in the slots (``launch(..., pooled=)``, what the scheduler does for a batch of
 stream chunks, the PooledRows built inside the timed host part), with each algorithm forced in
-turn and with the autotuner's choice, with and without CUDA graphs (the same shape repeats
-here, so after its first calls each batch is one graph replay). Columns: host ms (the calls' own time on the
+turn and with the autotuner's choice, with CUDA graphs ("on": the cuDNN calls replay a graph, the
+copies and state moves around it are separate calls; "fused": the whole call, copies and state moves
+included, is one graph, see service/engines/cudnn/fused.py) and without ("off"). The same shape repeats
+here, so after its first calls each batch is one graph replay. Columns: host ms (the calls' own time on the
 calling thread, which in the server is the event loop), wall ms (until the outputs are
 on the host), GPU ms (CUDA events around the same calls). Medians over --reps calls.
 
@@ -50,13 +52,14 @@ def main() -> int:
     print(f"stream batch: LSTM I=40 H=256 L=2, T={args.steps}, states from the previous chunk, median of {args.reps}")
     print("| algorithm | CUDA graphs | B | chosen | host ms | wall ms | GPU ms |")
     print("|---|---|--:|---|--:|--:|--:|")
-    for algorithm, graphs in ((None, True), (None, False), ("standard", True), ("standard", False),
-                              ("persist_static", True), ("persist_dynamic", True)):
+    for algorithm, graphs in ((None, "fused"), (None, "on"), (None, "off"), ("standard", "fused"),
+                              ("standard", "on"), ("standard", "off"), ("persist_static", "fused"),
+                              ("persist_dynamic", "fused")):
         try:
             engine = CudnnEngine(model, algorithm=algorithm, max_batch_size=max(batches), blocking_sync=True,
-                                 graph_memory_mb=None if graphs else 0)
+                                 graph_memory_mb=0 if graphs == "off" else None, fused=graphs == "fused")
         except EngineUnavailable as exc:
-            print(f"| {algorithm} | {'on' if graphs else 'off'} | - | refused: {exc} | | | |")
+            print(f"| {algorithm} | {graphs} | - | refused: {exc} | | | |")
             continue
         try:
             for n in batches:
@@ -81,7 +84,7 @@ def main() -> int:
                     wall.append(t2 - t0)
                     gpu.append(cp.cuda.get_elapsed_time(start, end) / 1000)
                 chosen = "/".join(sorted(set(engine.algorithms_for(n, args.steps))))
-                print(f"| {algorithm or 'autotuned'} | {'on' if graphs else 'off'} | {n} | {chosen} | {1e3 * statistics.median(host):.3f} | "
+                print(f"| {algorithm or 'autotuned'} | {graphs} | {n} | {chosen} | {1e3 * statistics.median(host):.3f} | "
                       f"{1e3 * statistics.median(wall):.3f} | {1e3 * statistics.median(gpu):.3f} |", flush=True)
         finally:
             engine.close()

@@ -239,17 +239,21 @@ def _slots(cp: Any, pool: tuple[Any, Any], rows: tuple[Any, Any], index: Any, of
         np.int32(int(keep[0]) | (2 * int(keep[1])))))
 
 
-def last_steps(cp: Any, y: Any, lens_dev: Any, forward_cols: int) -> Any:
+def last_steps(cp: Any, y: Any, lens_dev: Any, forward_cols: int, out: Any = None) -> Any:
     """[n, F] many-to-one outputs of ``y`` [n, t, F] (any strides, unit stride along F).
 
     Columns below ``forward_cols`` come from step ``lens_dev[s] - 1`` (int32 device array), the
-    others from step 0 (a reverse direction ends there). 4- and 2-byte element types.
+    others from step 0 (a reverse direction ends there). 4- and 2-byte element types. ``out``: a
+    C-contiguous [n, F] buffer of y's dtype to write into (for a CUDA graph capture, which must not allocate).
     """
     n, _, f = (int(d) for d in y.shape)
     item = y.itemsize
     if item not in (4, 2) or y.strides[2] != item:
         raise ValueError(f"last_steps needs 4- or 2-byte elements with unit stride, got {y.dtype} {y.strides}")
-    out = cp.empty((n, f), y.dtype)
+    if out is None:
+        out = cp.empty((n, f), y.dtype)
+    elif out.shape != (n, f) or out.dtype != y.dtype or not out.flags.c_contiguous:
+        raise ValueError(f"last_steps out must be C-contiguous {(n, f)} {y.dtype}, got {out.shape} {out.dtype}")
     if out.size == 0:
         return out
     total = n * f

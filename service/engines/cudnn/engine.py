@@ -32,6 +32,7 @@ from .autotune import LONG_FACTOR, AlgoTable, BucketChoice, Group, Trial, batch_
 from .block import AlgorithmRejected
 from .block_states import block_views, new_states, read_slots, write_slots
 from .copies import last_steps, seq_major, swap01
+from .fused import FusedCalls, forward_cols
 from .graphs import SETUP_LOCK, GraphRuns
 from .host_rows import HostRows, host_rows
 from .mapped import mapped_host
@@ -73,7 +74,9 @@ class CudnnEngine(Engine):
     budget of CUDA graphs for repeated equal-length calls (default: the model's config; 0: none;
     see :mod:`.graphs`). ``bucket_graphs``: replay graphs of bucketed shapes for calls whose
     shapes differ (see :mod:`.shape_buckets`); False runs every graph at the call's exact shape
-    (tests that compare replays with plain calls bit for bit).
+    (tests that compare replays with plain calls bit for bit). ``fused``: run equal-length calls from the
+    host as one graph with their copies and state slot moves (see :mod:`.fused`); False: the general path
+    (benchmarks compare the two).
     """
 
     name = "cudnn"
@@ -86,7 +89,8 @@ class CudnnEngine(Engine):
                  max_batch_size: int | None = None, autotune: bool = True, device_id: int = 0,
                  force_per_matrix_upload: bool = False, algorithm: str | None = None,
                  buckets: tuple[int, ...] | None = None, tune_steps: int = 50, layout: str | None = None,
-                 blocking_sync: bool = False, graph_memory_mb: int | None = None, bucket_graphs: bool = True) -> None:
+                 blocking_sync: bool = False, graph_memory_mb: int | None = None, bucket_graphs: bool = True,
+                 fused: bool = True) -> None:
         started = time.perf_counter()
         self.model = model
         self.spec = model.spec
@@ -136,6 +140,7 @@ class CudnnEngine(Engine):
         self._lock = threading.Lock()
         self._runners: list[BlockRunner] = []
         self._graphs: GraphRuns | None = None
+        self._fused: FusedCalls | None = None
         try:
             with self._ctx.device, self._ctx.stream:
                 self._conv = Converter(cp, self.precision)
@@ -153,6 +158,9 @@ class CudnnEngine(Engine):
                     runner.builds_allowed = self._forced == L.ALGO_PERSIST_DYNAMIC
                 if budget > 0:  # after tuning and warm-up, whose calls are not uses of a shape
                     self._graphs = GraphRuns(cp, self._ctx, self._runners, self._prec.store, budget << 20)
+                    if fused and self.precision != "bfloat16":  # bfloat16 stages float32, converts on the device
+                        self._fused = FusedCalls(cp, self._ctx, self._runners, self.spec, self._prec.store,
+                                                 self._graphs, self._staging, blocking_sync)
                 # untuned or forced: no timings to weigh padding with, or shapes a test wants exact
                 self._shapes = GraphShapes(self._table, bucket_graphs and autotune and self._forced is None)
         except L.CudnnError as exc:
@@ -259,6 +267,7 @@ class CudnnEngine(Engine):
             "algorithms": self._table.describe(),
             "layouts": self._table.describe_layouts(),
             "cuda_graphs": None if self._graphs is None else self._graphs.describe(),
+            "fused_calls": None if self._fused is None else self._fused.replays,
             "load_ms": round(self.load_ms, 1),
         }
 
@@ -280,6 +289,7 @@ class CudnnEngine(Engine):
         if graphs is not None:
             graphs.close()
             self._graphs = None
+        self._fused = None
         for runner in getattr(self, "_runners", []):
             runner.close()
         self._runners = []
@@ -310,7 +320,8 @@ class CudnnEngine(Engine):
             return launched.finish()
         self._ensure_open()
         with self._lock, self._ctx.device, self._ctx.stream:
-            y, hy, cy, out_dtype = self._queue(x, lengths, h0, c0, states_needed, last_only, None)
+            y, hy, cy, out_dtype = self._queue(self._check(x, lengths, h0, c0), lengths is None, h0, c0,
+                                               states_needed, last_only, None)
             if self._graphs is not None and self._graphs.owns(y):
                 y = y.copy()  # the caller keeps it past the graph's next replay
             out = self._outputs(y, hy, cy, out_dtype, output_device)
@@ -335,7 +346,11 @@ class CudnnEngine(Engine):
         """
         self._ensure_open()
         with self._lock, self._ctx.device, self._ctx.stream:
-            y, hy, cy, out_dtype = self._queue(x, lengths, h0, c0, states_needed, last_only, pooled)
+            checked = self._check(x, lengths, h0, c0)
+            launched = self._launch_fused(checked, h0, c0, states_needed, last_only, pooled)
+            if launched is not None:
+                return launched
+            y, hy, cy, out_dtype = self._queue(checked, lengths is None, h0, c0, states_needed, last_only, pooled)
             if pooled is not None and not states_needed:
                 hy = cy = None  # computed for the pool, not read by the caller
             return self._download(y, hy, cy, out_dtype, last_only)
@@ -368,9 +383,24 @@ class CudnnEngine(Engine):
         launched.wait()
         return launched.finish()
 
-    def _queue(self, x, lengths, h0, c0, states_needed, last_only, pooled):
-        """Inputs in, blocks run (and the many-to-one rows picked): (y, hy, cy, out_dtype) on the device."""
-        x, b, t, lens, out_dtype = self._check(x, lengths, h0, c0)
+    def _launch_fused(self, checked, h0, c0, states_needed, last_only, pooled) -> Launched | None:
+        """The call as one fused graph (see :mod:`.fused`), or None where that does not apply (yet)."""
+        x, b, t, lens, out_dtype = checked
+        table = self._table
+        if (self._fused is None or not isinstance(x, (np.ndarray, HostRows)) or b > table.biggest
+                or int(lens.min()) < t or not (h0 is None or isinstance(h0, np.ndarray))
+                or not (c0 is None or isinstance(c0, np.ndarray))):
+            return None
+        n = self._shapes.rows(b, t)[0]
+        return self._fused.launch(x, b, t, (n, t), self._uniform(n, t), table.algos_for(n, t),
+                                  table.seq_major_for(b), h0, c0, pooled, states_needed, last_only, out_dtype)
+
+    def _queue(self, checked, uniform_lengths, h0, c0, states_needed, last_only, pooled):
+        """Inputs in, blocks run (and the many-to-one rows picked): (y, hy, cy, out_dtype) on the device.
+
+        ``checked``: what :meth:`_check` returned; ``uniform_lengths``: the caller gave no lengths.
+        """
+        x, b, t, lens, out_dtype = checked
         # padding after a sequence cannot change it, but makes its final state invalid
         pad_ok = self.spec.causal and not states_needed and pooled is None
         index = None if pooled is None else pooled.index.ravel()
@@ -380,7 +410,7 @@ class CudnnEngine(Engine):
         if pooled is not None:
             pooled.pool.reserve()
             states = read_slots(self._cp, self.spec, self._prec.store, states, b, pooled, index_d)
-        y, hy, cy, hys, cys = self._run(x_d, b, t, lens, lengths is None, states, pad_ok,
+        y, hy, cy, hys, cys = self._run(x_d, b, t, lens, uniform_lengths, states, pad_ok,
                                         zero_padding=not last_only, ragged_lens=lens_d)
         if pooled is not None:
             write_slots(self._cp, hys, cys, b, pooled, index_d)
@@ -479,18 +509,12 @@ class CudnnEngine(Engine):
 
     def _last(self, y, b, t, lens, lens_dev=None):
         """Each sequence's many-to-one output row [b, F] of ``y`` (storage dtype), on the device."""
-        last = self.spec.blocks[-1]
-        if last.variant.get("reverse"):
-            forward_cols = 0
-        elif last.directions == 2:
-            forward_cols = last.output_size
-        else:
-            forward_cols = int(y.shape[2])
+        cols = forward_cols(self.spec, int(y.shape[2]))
         if int(lens.min()) == t:
             lens_dev = self._uniform(b, t)[2]
         elif lens_dev is None:
             lens_dev = self._cp.asarray(lens.astype(np.int32))
-        return last_steps(self._cp, y, lens_dev, forward_cols)
+        return last_steps(self._cp, y, lens_dev, cols)
 
     def _uniform(self, n: int, t: int):
         hit = self._uniform_lengths.get((n, t))

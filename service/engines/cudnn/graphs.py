@@ -123,27 +123,10 @@ class GraphRuns:
             return None
         mask = tuple((s[0] is not None, s[1] is not None) for s in states) if states is not None else None
         key = (n, t, algos, seq_major, mask, x.shape[2])
-        got = self._graphs.get(key)
+        got = self.find(key, lambda: self._capture(key, n, t, lens_key, lens_host, lens_dev, mask, algos,
+                                                   seq_major, x))
         if got is None:
-            if key in self._failed:
-                return None
-            uses = self._uses.get(key, 0) + 1
-            if uses < MIN_USES:
-                if len(self._uses) > 8192:
-                    self._uses.clear()
-                self._uses[key] = uses
-                return None
-            if not self._may_capture() or not SETUP_LOCK.acquire(blocking=False):
-                return None
-            try:
-                got = self._capture(key, n, t, lens_key, lens_host, lens_dev, mask, algos, seq_major, x)
-            finally:
-                SETUP_LOCK.release()
-            self._uses.pop(key, None)
-            if got is None:
-                return None
-        else:
-            self._graphs.move_to_end(key)
+            return None
         stream = self.ctx.stream
         self._copy(got.x, x, stream)
         if states is not None:
@@ -159,6 +142,61 @@ class GraphRuns:
                 self._copy(cys[k], got.cys[k], stream)
         self.replays += 1
         return got.y
+
+    def find(self, key: tuple, capture: Callable[[], Any]) -> Any | None:
+        """The graph kept under ``key``, or the one ``capture()`` makes now (it calls :meth:`admit` and
+        :meth:`keep`, or returns None), on the key's ``MIN_USES``-th call when captures are allowed;
+        None: the caller runs uncaptured."""
+        got = self._graphs.get(key)
+        if got is not None:
+            self._graphs.move_to_end(key)
+            return got
+        if key in self._failed:
+            return None
+        uses = self._uses.get(key, 0) + 1
+        if uses < MIN_USES:
+            if len(self._uses) > 8192:
+                self._uses.clear()
+            self._uses[key] = uses
+            return None
+        if not self._may_capture() or not SETUP_LOCK.acquire(blocking=False):
+            return None
+        try:
+            got = capture()
+        finally:
+            SETUP_LOCK.release()
+        self._uses.pop(key, None)
+        return got
+
+    def admit(self, key: tuple, nbytes: int, work: int) -> Any | None:
+        """Room for a graph of ``nbytes`` buffers and ``work`` workspace bytes: the shared workspace, after
+        evicting what the budget needs; None (and ``key`` never captured again) when it cannot fit."""
+        have = 0 if self._workspace is None else self._workspace.nbytes
+        need = max(work, 1)
+        # grow by doubling (few growths, each dropping the graphs), but not past a quarter of the budget
+        ws_bytes = have if have >= need else max(need, min(2 * have, self.budget // 4))
+        if nbytes + ws_bytes > self.budget:
+            self._failed.add(key)
+            return None
+        ws = self._shared_workspace(ws_bytes)
+        self._evict(self.budget - nbytes)
+        return ws
+
+    def keep(self, key: tuple, got: Any, started: float, what: str) -> None:
+        """Keep ``got`` (with ``nbytes`` and ``y``) under ``key``; ``started``: when its capture began."""
+        self._graphs[key] = got
+        self.bytes += got.nbytes
+        self.captures += 1
+        took = time.perf_counter() - started
+        self.capture_seconds += took
+        log.info("captured a CUDA graph for %s in %.1f ms (%d graphs, %.1f of %.0f MB, %d evicted so far)",
+                 what, 1e3 * took, len(self._graphs), self.bytes / 2**20, self.budget / 2**20, self.evictions)
+
+    def failed(self, key: tuple, what: str, exc: BaseException) -> None:
+        """``key``'s capture failed: its calls run uncaptured from now on."""
+        log.warning("CUDA graph capture of %s failed (%s: %s); this shape runs uncaptured", what,
+                    type(exc).__name__, exc)
+        self._failed.add(key)
 
     def _may_capture(self) -> bool:
         if self.captures >= CAPTURE_BURST and self.replays < REPLAYS_PER_CAPTURE * self.captures:
@@ -228,15 +266,9 @@ class GraphRuns:
             keep += [inp0, *ys]
             nbytes = sum(a.nbytes for a in keep[1:] + [x_s] + hys + [c for c in cys if c is not None]
                          + [a for pair in states for a in pair if a is not None])
-            have = 0 if self._workspace is None else self._workspace.nbytes
-            need = max(work, 1)
-            # grow by doubling (few growths, each dropping the graphs), but not past a quarter of the budget
-            ws_bytes = have if have >= need else max(need, min(2 * have, self.budget // 4))
-            if nbytes + ws_bytes > self.budget:
-                self._failed.add(key)
+            ws = self.admit(key, nbytes, work)
+            if ws is None:
                 return None
-            ws = self._shared_workspace(ws_bytes)
-            self._evict(self.budget - nbytes)
             keep.append(ws)
 
             def enqueue() -> None:
@@ -255,19 +287,11 @@ class GraphRuns:
             graph = capture(cp, stream, enqueue)
         except (*capture_errors(cp), ValueError, AlgorithmRejected) as exc:  # e.g. PERSIST_DYNAMIC not built
             # for this batch size: the caller runs the call uncaptured, where it falls back to STANDARD
-            log.warning("CUDA graph capture of n=%d t=%d failed (%s: %s); this shape runs uncaptured",
-                        n, t, type(exc).__name__, exc)
-            self._failed.add(key)
+            self.failed(key, f"n={n} t={t}", exc)
             return None
         y = ys[-1].transpose(1, 0, 2) if seq_major else ys[-1]
         got = _Captured(graph, x_s, states, hys, cys, y, keep, nbytes)
-        self._graphs[key] = got
-        self.bytes += nbytes
-        self.captures += 1
-        took = time.perf_counter() - started
-        self.capture_seconds += took
-        log.info("captured a CUDA graph for n=%d t=%d in %.1f ms (%d graphs, %.1f of %.0f MB, %d evicted so far)",
-                 n, t, 1e3 * took, len(self._graphs), self.bytes / 2**20, self.budget / 2**20, self.evictions)
+        self.keep(key, got, started, f"n={n} t={t}")
         return got
 
     def _shared_workspace(self, size: int) -> Any:
