@@ -177,3 +177,31 @@ def test_ragged_calls_take_the_general_path(cp):
         np.testing.assert_allclose(out.output, ref.output, rtol=RTOL, atol=ATOL)
     finally:
         engine.close()
+
+
+def test_fused_calls_queued_back_to_back_keep_their_own_inputs_and_outputs(cp):
+    """Seven calls of one shape launched before any is waited for (more than a graph's input slabs, so a slab
+    is written again while earlier calls may still be queued), each with its own inputs: each gets its own
+    results."""
+    from service.engines.cudnn.fused import SLABS
+
+    model = pool_model(MODELS["lstm-2-layers"], seed=8)
+    engine = _engine(model)
+    oracle = ReferenceEngine(model, dtype=np.float64)
+    rng = np.random.default_rng(12)
+    try:
+        xs = [rng.standard_normal((3, 4, model.spec.input_size)).astype(np.float32) for _ in range(2 * SLABS + 1)]
+        _call(engine, xs[0], None, None, None, True, True)  # the shape's first call: the general path
+        launched = [engine.launch(x, None, states_needed=True, last_only=True) for x in xs]
+        results = []
+        for one in launched:
+            one.wait()
+            results.append(one.finish())
+        assert engine.describe()["fused_calls"] >= len(xs) - 1
+        for x, got in zip(xs, results):
+            ref = oracle.forward(x)
+            np.testing.assert_allclose(got.last, ref.output[:, -1], rtol=RTOL, atol=ATOL)
+            np.testing.assert_allclose(got.h_n, ref.h_n, rtol=RTOL, atol=ATOL)
+            np.testing.assert_allclose(got.c_n, ref.c_n, rtol=RTOL, atol=ATOL)
+    finally:
+        engine.close()

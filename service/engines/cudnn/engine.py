@@ -160,7 +160,7 @@ class CudnnEngine(Engine):
                     self._graphs = GraphRuns(cp, self._ctx, self._runners, self._prec.store, budget << 20)
                     if fused and self.precision != "bfloat16":  # bfloat16 stages float32, converts on the device
                         self._fused = FusedCalls(cp, self._ctx, self._runners, self.spec, self._prec.store,
-                                                 self._graphs, self._staging, blocking_sync)
+                                                 self._graphs, blocking_sync)
                 # untuned or forced: no timings to weigh padding with, or shapes a test wants exact
                 self._shapes = GraphShapes(self._table, bucket_graphs and autotune and self._forced is None)
         except L.CudnnError as exc:

@@ -11,7 +11,7 @@ A fused call captures all of it once per shape, over buffers the graph owns:
 
 * ``inp``, one device buffer: x [n, t, I], each block's initial states h [rows, n, Ho] and
   c [rows, n, H], and the stream index [2, n] (int32: the slot each row reads, the slot it
-  writes); the host packs them into one pinned block and one copy moves them;
+  writes); the host packs them into a pinned slab of the graph's own and one copy moves them;
 * the graph: the slot gather into the state buffers (rows that read no slot keep the h_0/c_0
   packed there, or get zeros), the blocks, the slot scatter of the final states, the
   many-to-one rows;
@@ -46,6 +46,7 @@ from .host_rows import HostRows
 from .block import AlgorithmRejected
 
 _ALIGN = 256
+SLABS = 3  # pinned input slabs per graph; the scheduler keeps at most two calls in flight
 _H2D, _D2H = 1, 2
 
 
@@ -85,31 +86,41 @@ class _Layout:
         return off + int(np.prod(shape)) * dtype.itemsize
 
 
+@dataclass(eq=False)
+class _Slab:
+    """Pinned host memory laid out as a graph's input buffer, with NumPy views of each part."""
+
+    mem: Any
+    views: dict[str, np.ndarray]
+    event: Any                # recorded after the copy out of it: written again once that copy has run
+
+
 @dataclass
 class _Fused:
     graph: Any
     n: int
     inp: Any                  # device bytes, laid out by ``ins``
     ins: _Layout
+    slabs: list[_Slab]        # used in turn (see FusedCalls._stage)
     out: Any                  # device bytes, laid out by ``outs``
     outs: _Layout
     y: Any                    # the output region (GraphRuns.owns reads it)
     keep: list
     nbytes: int
+    turn: int = 0
 
 
 class FusedCalls:
     """One engine's fused calls (see the module docstring); ``launch`` returns None where it does not apply."""
 
     def __init__(self, cp: Any, ctx: Any, runners: list, spec: RNNSpec, store: np.dtype, graphs: GraphRuns,
-                 staging: Any, blocking_sync: bool) -> None:
+                 blocking_sync: bool) -> None:
         self.cp = cp
         self.ctx = ctx
         self.runners = runners
         self.spec = spec
         self.store = np.dtype(store)
         self.graphs = graphs
-        self.staging = staging
         self.blocking_sync = blocking_sync
         self.replays = 0
         self._lstm = [blk.cell == "lstm" for blk in spec.blocks]
@@ -146,10 +157,18 @@ class FusedCalls:
 
     def _stage(self, got: _Fused, x: np.ndarray | HostRows, b: int, h0: Any, c0: Any, pooled: PooledRows | None,
                stream: Any) -> None:
-        """Pack the call's inputs into a pinned block and queue its copy into the graph's input buffer."""
-        ins, blocks = got.ins, self.staging.blocks
-        blk = blocks.block(ins.nbytes)
-        x_h = ins.host(blk.mem, "x")
+        """Pack the call's inputs into the graph's next pinned slab and queue its copy into the graph's input buffer.
+
+        Each graph has ``SLABS`` slabs with their views made at capture, used in turn: a pool's block
+        search and a view per part cost a fifth of a fused launch (py-spy, H100 host). A slab whose
+        last copy has not run yet (that many calls of this graph queued) is waited for.
+        """
+        slab = got.slabs[got.turn]
+        got.turn = (got.turn + 1) % len(got.slabs)
+        if not slab.event.done:
+            slab.event.synchronize()
+        views = slab.views
+        x_h = views["x"]
         if isinstance(x, HostRows):  # the requests as they lie (every one has at least t steps: equal lengths)
             row, t = 0, x_h.shape[1]
             for src in x.sources:
@@ -165,15 +184,21 @@ class FusedCalls:
                 if name == "c" and not self._lstm[k]:
                     continue
                 rows = blk_spec.pseudo_layers
-                np.copyto(ins.host(blk.mem, f"{name}{k}")[:, :b], given[:, row:row + rows].transpose(1, 0, 2),
-                          casting="unsafe")
+                np.copyto(views[f"{name}{k}"][:, :b], given[:, row:row + rows].transpose(1, 0, 2), casting="unsafe")
                 row += rows
         if pooled is not None:
-            index = ins.host(blk.mem, "index").reshape(2, -1)
+            index = views["index"]
             index[:, :b] = pooled.index
             index[:, b:] = -1
-        self.cp.cuda.runtime.memcpyAsync(got.inp.data.ptr, blk.mem.ptr, ins.nbytes, _H2D, stream.ptr)
-        blocks.copied(blk, stream)
+        self.cp.cuda.runtime.memcpyAsync(got.inp.data.ptr, slab.mem.ptr, got.ins.nbytes, _H2D, stream.ptr)
+        slab.event.record(stream)
+
+    def _slab(self, ins: _Layout) -> _Slab:
+        mem = self.cp.cuda.alloc_pinned_memory(ins.nbytes)
+        views = {name: ins.host(mem, name) for name in ins.entries}
+        if "index" in views:
+            views["index"] = views["index"].reshape(2, -1)
+        return _Slab(mem, views, self.cp.cuda.Event(block=False, disable_timing=True))
 
     def _finish(self, got: _Fused, mem: Any, b: int, seq_major: bool, states_needed: bool, last_only: bool,
                 out_dtype: np.dtype) -> EngineOutput:
@@ -277,6 +302,6 @@ class FusedCalls:
         except (*capture_errors(cp), ValueError, AlgorithmRejected) as exc:
             self.graphs.failed(key, what, exc)
             return None
-        got = _Fused(graph, n, inp, ins, out, outs, y_out, keep, nbytes)
+        got = _Fused(graph, n, inp, ins, [self._slab(ins) for _ in range(SLABS)], out, outs, y_out, keep, nbytes)
         self.graphs.keep(key, got, started, what)
         return got
