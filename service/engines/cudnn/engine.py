@@ -388,12 +388,22 @@ class CudnnEngine(Engine):
         x, b, t, lens, out_dtype = checked
         table = self._table
         if (self._fused is None or not isinstance(x, (np.ndarray, HostRows)) or b > table.biggest
-                or int(lens.min()) < t or not (h0 is None or isinstance(h0, np.ndarray))
-                or not (c0 is None or isinstance(c0, np.ndarray))):
+                or not (h0 is None or isinstance(h0, np.ndarray)) or not (c0 is None or isinstance(c0, np.ndarray))):
             return None
-        n = self._shapes.rows(b, t)[0]
-        return self._fused.launch(x, b, t, (n, t), self._uniform(n, t), table.algos_for(n, t),
-                                  table.seq_major_for(b), h0, c0, pooled, states_needed, last_only, out_dtype)
+        if int(lens.min()) == t:
+            n = self._shapes.rows(b, t)[0]
+            return self._fused.launch(x, b, t, (n, t), self._uniform(n, t), table.algos_for(n, t),
+                                      table.seq_major_for(b), h0, c0, pooled, states_needed, last_only, out_dtype)
+        # a ragged many-to-one batch that the plan runs padded (see _run): the same, with its lengths
+        if not (last_only and not states_needed and pooled is None and h0 is None and c0 is None
+                and self.spec.causal):
+            return None
+        groups = plan(table, b, t, lens, True)
+        if len(groups) != 1 or groups[0].rows is not None or not groups[0].uniform:
+            return None
+        shape = self._shapes.padded(b, t)
+        return self._fused.launch(x, b, t, shape, self._uniform(*shape), table.algos_for(*shape),
+                                  groups[0].seq_major, None, None, None, False, True, out_dtype, lengths=lens)
 
     def _queue(self, checked, uniform_lengths, h0, c0, states_needed, last_only, pooled):
         """Inputs in, blocks run (and the many-to-one rows picked): (y, hy, cy, out_dtype) on the device.

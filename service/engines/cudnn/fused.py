@@ -26,8 +26,10 @@ grows moves its arrays, and their addresses are part of the key, so graphs over 
 arrays are never replayed again (they age out).
 
 Used for host inputs (arrays, or requests left in front-end arenas: :class:`.host_rows.HostRows`,
-packed on the host here) of equal lengths, on float32 and float16 engines; other calls take the
-engine's general path.
+packed on the host here) on float32 and float16 engines, of equal lengths (stream chunks, single
+requests) or a ragged many-to-one batch of a causal model that the plan runs padded (requests of
+different lengths, batched: their lengths are packed with the inputs and pick each row's last
+step inside the graph). Other calls take the engine's general path.
 """
 from __future__ import annotations
 
@@ -127,24 +129,35 @@ class FusedCalls:
 
     def launch(self, x: np.ndarray | HostRows, b: int, t: int, shape: tuple[int, int], uniform: Any, algos: tuple,
                seq_major: bool, h0: np.ndarray | None, c0: np.ndarray | None, pooled: PooledRows | None,
-               states_needed: bool, last_only: bool, out_dtype: np.dtype) -> Launched | None:
+               states_needed: bool, last_only: bool, out_dtype: np.dtype, lengths: np.ndarray | None = None
+               ) -> Launched | None:
         """Queue the call (``b`` rows of ``t`` steps, run at ``shape``; ``uniform``: the engine's lengths
-        (key, host, device) for ``shape``) and return without waiting, or None: no graph for it (yet)."""
-        n = shape[0]
+        (key, host, device) for ``shape``) and return without waiting, or None: no graph for it (yet).
+
+        ``lengths``: the rows' own lengths of a ragged many-to-one call of a causal model, run padded to
+        ``shape`` (every row to the graph's steps, see :func:`.autotune.plan`); the many-to-one rows are
+        then picked at each row's own last step (the lengths travel with the inputs). Steps past a row's
+        length compute on whatever the buffer holds and are never read.
+        """
+        n, steps = shape
+        ragged = lengths is not None
+        if ragged and not (last_only and not states_needed and pooled is None and h0 is None and c0 is None):
+            raise ValueError("a ragged fused call is many-to-one without states")
         pool_key = None
         if pooled is not None:
             pooled.pool.reserve()
             pool_key = (pooled.pool.capacity,) + tuple(a.data.ptr for pair in pooled.pool.arrays for a in pair
                                                        if a is not None)
         h_in, c_in = h0 is not None or pooled is not None, c0 is not None or pooled is not None
-        key = ("fused", n, t, int(x.shape[2]), algos, seq_major, h0 is not None, c0 is not None, pool_key, last_only)
-        got = self.graphs.find(key, lambda: self._capture(key, n, t, int(x.shape[2]), uniform, algos, seq_major,
+        key = ("fused", n, steps, int(x.shape[2]), algos, seq_major, h0 is not None, c0 is not None, pool_key,
+               last_only, ragged)
+        got = self.graphs.find(key, lambda: self._capture(key, n, steps, int(x.shape[2]), uniform, algos, seq_major,
                                                           h_in, c_in, h0 is not None, c0 is not None, pooled,
-                                                          last_only))
+                                                          last_only, ragged))
         if got is None:
             return None
         stream = self.ctx.stream
-        self._stage(got, x, b, h0, c0, pooled, stream)
+        self._stage(got, x, b, t, h0, c0, pooled, lengths, stream)
         got.graph.launch(stream)
         down = got.outs.nbytes if states_needed else got.outs.end("y")
         mem = self.cp.cuda.alloc_pinned_memory(max(down, 1))
@@ -155,8 +168,8 @@ class FusedCalls:
         self.graphs.replays += 1
         return Launched(done, lambda: self._finish(got, mem, b, seq_major, states_needed, last_only, out_dtype))
 
-    def _stage(self, got: _Fused, x: np.ndarray | HostRows, b: int, h0: Any, c0: Any, pooled: PooledRows | None,
-               stream: Any) -> None:
+    def _stage(self, got: _Fused, x: np.ndarray | HostRows, b: int, t: int, h0: Any, c0: Any,
+               pooled: PooledRows | None, lengths: np.ndarray | None, stream: Any) -> None:
         """Pack the call's inputs into the graph's next pinned slab and queue its copy into the graph's input buffer.
 
         Each graph has ``SLABS`` slabs with their views made at capture, used in turn: a pool's block
@@ -169,13 +182,18 @@ class FusedCalls:
             slab.event.synchronize()
         views = slab.views
         x_h = views["x"]
-        if isinstance(x, HostRows):  # the requests as they lie (every one has at least t steps: equal lengths)
-            row, t = 0, x_h.shape[1]
+        if isinstance(x, HostRows):  # the requests as they lie
+            row = 0
             for src in x.sources:
-                np.copyto(x_h[row:row + src.shape[0]], src[:, :t], casting="unsafe")
+                steps = min(src.shape[1], t)
+                np.copyto(x_h[row:row + src.shape[0], :steps], src[:, :steps], casting="unsafe")
                 row += src.shape[0]
         else:
-            np.copyto(x_h[:b], x, casting="unsafe")
+            np.copyto(x_h[:b, :t], x, casting="unsafe")
+        if lengths is not None:
+            lens = views["lengths"]
+            lens[:b] = lengths
+            lens[b:] = 1
         for given, name in ((h0, "h"), (c0, "c")):
             if given is None:
                 continue
@@ -222,7 +240,7 @@ class FusedCalls:
 
     def _capture(self, key: tuple, n: int, t: int, features: int, uniform: Any, algos: tuple, seq_major: bool,
                  h_in: bool, c_in: bool, h_given: bool, c_given: bool, pooled: PooledRows | None,
-                 last_only: bool) -> _Fused | None:
+                 last_only: bool, ragged: bool) -> _Fused | None:
         cp, store, stream = self.cp, self.store, self.ctx.stream
         what = f"fused n={n} t={t}"
         started = time.perf_counter()
@@ -237,6 +255,8 @@ class FusedCalls:
                 ins.add(f"c{k}", (blk.pseudo_layers, n, blk.hidden_size), store)
         if pooled is not None:
             ins.add("index", (2 * n,), np.int32)  # flat: reads, then writes (gather_slots takes an offset)
+        if ragged:
+            ins.add("lengths", (n,), np.int32)
         outs.add("y", (n, width) if last_only else ((t, n, width) if seq_major else (n, t, width)), store)
         for k, blk in enumerate(self.spec.blocks):
             outs.add(f"h{k}", (blk.pseudo_layers, n, blk.output_size), store)
@@ -265,6 +285,10 @@ class FusedCalls:
                 else:
                     ys.append(cp.empty((t, n, runner.out_features) if seq_major else (n, t, runner.out_features),
                                        store))
+            last_lens = lens_dev
+            if ragged:
+                last_lens = ins.device(cp, inp, "lengths")
+                last_lens.set(np.ones(n, np.int32))  # valid steps for the uncaptured warm-up below
             x_seq = cp.empty((t, n, features), store) if seq_major else x_d
             work = max(r.work_size(a, n, t, lens_key, lens_host, seq_major) for r, a in zip(self.runners, algos))
             keep = [lens_dev, x_seq, *ys]
@@ -295,7 +319,7 @@ class FusedCalls:
                         scatter_slots(cp, (hys[k], cys[k]), pools[k], index, n, n)
                 if last_only:
                     y_last = ys[-1].transpose(1, 0, 2) if seq_major else ys[-1]
-                    last_steps(cp, y_last, lens_dev, cols, out=y_out)
+                    last_steps(cp, y_last, last_lens, cols, out=y_out)
 
             enqueue()  # uncaptured first: descriptors, plans and kernels exist before the capture
             graph = capture(cp, stream, enqueue)
