@@ -42,7 +42,7 @@ from .warmup import warm_paths
 
 OUTPUT_DEVICES = ("host", "device")
 LAYOUTS = ("batch_major", "seq_major")
-# Calls with more input than this take the general path: a fused call packs its input on the host, which for a
+# Calls with more input than this (counted as float32) take the general path: a fused call packs its input on the host, which for a
 # large batch costs more than the launches it saves, and the general path takes requests in front-end arenas
 # where they lie (H100 host, binary HTTP at concurrency 64, batches of ~18 requests of 20..200 steps, 0.6 MB:
 # 14,202 req/s fused vs 16,277 before; bench/results/h100-2026-11-24/requests_ab8.log).
@@ -79,8 +79,8 @@ class CudnnEngine(Engine):
     budget of CUDA graphs for repeated equal-length calls (default: the model's config; 0: none;
     see :mod:`.graphs`). ``bucket_graphs``: replay graphs of bucketed shapes for calls whose
     shapes differ (see :mod:`.shape_buckets`); False runs every graph at the call's exact shape
-    (tests that compare replays with plain calls bit for bit). ``fused``: run equal-length calls from the
-    host as one graph with their copies and state slot moves (see :mod:`.fused`); False: the general path
+    (tests that compare replays with plain calls bit for bit). ``fused``: run small calls from host inputs
+    as one graph with their copies and state slot moves (see :mod:`.fused`); False: the general path
     (benchmarks compare the two).
     """
 

@@ -43,10 +43,10 @@ import numpy as np
 from ...spec import RNNSpec
 from ..base import EngineOutput, Launched
 from ..state_pool import PooledRows
+from .block import AlgorithmRejected
 from .copies import gather_slots, last_steps, scatter_slots, swap01
 from .graphs import GraphRuns, capture, capture_errors
 from .host_rows import HostRows
-from .block import AlgorithmRejected
 
 _ALIGN = 256
 SLABS = 3  # pinned input slabs per graph; the scheduler keeps at most two calls in flight
@@ -101,7 +101,6 @@ class _Slab:
 @dataclass
 class _Fused:
     graph: Any
-    n: int
     inp: Any                  # device bytes, laid out by ``ins``
     ins: _Layout
     slabs: list[_Slab]        # used in turn (see FusedCalls._stage)
@@ -173,9 +172,10 @@ class FusedCalls:
                pooled: PooledRows | None, lengths: np.ndarray | None, stream: Any) -> None:
         """Pack the call's inputs into the graph's next pinned slab and queue its copy into the graph's input buffer.
 
-        Each graph has ``SLABS`` slabs with their views made at capture, used in turn: a pool's block
-        search and a view per part cost a fifth of a fused launch (py-spy, H100 host). A slab whose
-        last copy has not run yet (that many calls of this graph queued) is waited for.
+        Each graph has ``SLABS`` slabs (pinned host memory the size of its input buffer) with their
+        views made at capture, used in turn: a pinned pool's block search and a view per part took over
+        a third of a fused launch's host time (py-spy, H100 host). A slab whose last copy has not run
+        yet (that many calls of this graph queued) is waited for.
         """
         slab = got.slabs[got.turn]
         got.turn = (got.turn + 1) % len(got.slabs)
@@ -327,6 +327,6 @@ class FusedCalls:
         except (*capture_errors(cp), ValueError, AlgorithmRejected) as exc:
             self.graphs.failed(key, what, exc)
             return None
-        got = _Fused(graph, n, inp, ins, [self._slab(ins) for _ in range(SLABS)], out, outs, y_out, keep, nbytes)
+        got = _Fused(graph, inp, ins, [self._slab(ins) for _ in range(SLABS)], out, outs, y_out, keep, nbytes)
         self.graphs.keep(key, got, started, what)
         return got

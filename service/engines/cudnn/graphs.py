@@ -26,6 +26,10 @@ shapes never pay the capture; graphs past the memory budget are dropped least re
 used first, and captures are rate-limited, and stop while the graphs so far are seldom
 replayed, so that traffic whose shapes never settle (single ragged requests of every
 length) does not keep the engine capturing. A shape whose capture fails is remembered and runs uncaptured from then on.
+
+Fused calls (:mod:`.fused`: the copies and state moves around the blocks captured too) keep their graphs
+here as well, under keys of their own, through :meth:`GraphRuns.find`, :meth:`~GraphRuns.admit` and
+:meth:`~GraphRuns.keep`: one budget, one workspace, one rate limit for both.
 """
 from __future__ import annotations
 
