@@ -1,8 +1,8 @@
 """Fused calls of the cuDNN engine (service.engines.cudnn.fused): an equal-length call's whole device work as one
 CUDA graph. Checked against the float64 reference engine on whole sequences and against the same engine with
 CUDA graphs off (the general path), for stream chunks through the state pool, stateless calls carrying
-h_0/c_0, many-to-one and full outputs, ragged many-to-one batches, requests gathered from front-end arenas,
-both memory layouts, bucketed rows, float16 and a pool that grows (its arrays move) while streams are live. Every test also checks that the fused path ran.
+h_0/c_0, many-to-one and full outputs, both memory layouts, bucketed rows, float16 and a pool that grows
+(its arrays move) while streams are live. Every test also checks that the fused path ran.
 
 GPU only (``pytest -m gpu``).
 """
@@ -16,8 +16,6 @@ from service.engines.reference import ReferenceEngine
 from service.engines.state_pool import PooledRows
 from service.loaders.verify import ATOL, RTOL
 from test_cudnn_copies_gpu import cp  # noqa: F401 - the fixture (CuPy, or skip without a CUDA device)
-from test_cudnn_gpu import make_torch, model_from_torch
-from test_host_rows_gpu import announced  # noqa: F401 - the fixture (a front-end arena, announced)
 from test_state_pool import MODELS
 from test_state_pool import model as pool_model
 
@@ -241,54 +239,3 @@ def test_fused_ragged_many_to_one_batches_equal_the_reference(cp, layout):
     finally:
         engine.close()
         plain.close()
-
-
-@pytest.mark.parametrize("feat", [7, 8])
-def test_fused_graphs_gather_requests_from_mapped_arenas(cp, announced, feat):
-    """Requests in a device-mapped front-end arena (what front-ends send): batches of them, ragged many-to-one
-    and equal-length with final states, run as fused graphs that gather the rows themselves (the slab carries
-    their addresses, not the data), also where the graph's rows are longer than the call's (bucketed steps)
-    and the copy unit must shrink (7 features: 28-byte steps). Results equal the reference engine and the same
-    batches merged on the host."""
-    from service.engines.cudnn import CudnnEngine
-    from service.engines.cudnn.host_rows import HostRows
-    from service.scheduler import SequenceWork
-    from service.scheduler.batching import finish_batch, launch_batch
-
-    model = model_from_torch(make_torch("lstm", feat, 24, layers=2, seed=9), max_batch_size=16)
-    engine = CudnnEngine(model)
-    oracle = ReferenceEngine(model, dtype=np.float64)
-    _, buf = announced()
-    rng = np.random.default_rng(feat)
-    try:
-        before = engine.describe()["fused_calls"]
-        offset = 0
-        for rep in range(4):
-            for sizes, outputs in (([[13, 1, 7], [20], [2, 20, 19, 5]], ("output_last",)),
-                                   ([[9, 9], [9], [9, 9, 9]], ("output_last", "h_n", "c_n"))):
-                parts = []
-                for lens in sizes:
-                    x = np.ndarray((len(lens), max(lens), feat), np.float32, buffer=buf, offset=offset)
-                    x[...] = rng.standard_normal(x.shape)
-                    offset += (x.nbytes + 63) // 64 * 64
-                    parts.append(SequenceWork(x, np.array(lens), outputs=frozenset(outputs)))
-                plain = [SequenceWork(p.x.copy(), p.lengths, outputs=p.outputs) for p in parts]
-                for which, batch in (("arena", parts), ("host", plain)):
-                    merged, launched = launch_batch(engine, batch)
-                    assert isinstance(merged.x, HostRows) == (which == "arena")
-                    launched.wait()
-                    got = finish_batch(engine, merged, launched, batch)
-                    for g, p in zip(got, batch):
-                        ref = oracle.forward(p.x, p.lengths)
-                        what = f"rep {rep} {which} {outputs}"
-                        np.testing.assert_allclose(g["output_last"], ref.output[np.arange(len(p.lengths)),
-                                                                                 p.lengths - 1],
-                                                   rtol=RTOL, atol=ATOL, err_msg=what)
-                        if "h_n" in outputs:
-                            np.testing.assert_allclose(g["h_n"], ref.h_n, rtol=RTOL, atol=ATOL, err_msg=what)
-                            np.testing.assert_allclose(g["c_n"], ref.c_n, rtol=RTOL, atol=ATOL, err_msg=what)
-        assert engine.describe()["fused_calls"] - before >= 6, "the fused path did not take these batches"
-        # a graph that gathers rows (its key ends with the copy unit) was captured and replayed
-        assert any(key[0] == "fused" and key[-1] is not None for key in engine._graphs._graphs)
-    finally:
-        engine.close()

@@ -42,11 +42,10 @@ from .warmup import warm_paths
 
 OUTPUT_DEVICES = ("host", "device")
 LAYOUTS = ("batch_major", "seq_major")
-# Input arrays larger than this (counted as float32) take the general path: a fused call packs an array into
-# its slab on the host, which for a large batch cost more than the launches it saves (H100 host, binary HTTP
-# at concurrency 64, batches of ~18 requests of 20..200 steps, 0.6 MB packed: 14,202 req/s vs 16,277 before;
-# bench/results/h100-2026-11-24/requests_ab8.log). Requests in front-end arenas (HostRows) are gathered by
-# the fused graph itself, whatever their size.
+# Calls with more input than this (counted as float32) take the general path: a fused call packs its input on the host, which for a
+# large batch costs more than the launches it saves, and the general path takes requests in front-end arenas
+# where they lie (H100 host, binary HTTP at concurrency 64, batches of ~18 requests of 20..200 steps, 0.6 MB:
+# 14,202 req/s fused vs 16,277 before; bench/results/h100-2026-11-24/requests_ab8.log).
 FUSED_MAX_BYTES = 64 << 10
 
 
@@ -394,7 +393,7 @@ class CudnnEngine(Engine):
         x, b, t, lens, out_dtype = checked
         table = self._table
         if (self._fused is None or not isinstance(x, (np.ndarray, HostRows)) or b > table.biggest
-                or (isinstance(x, np.ndarray) and b * t * int(x.shape[2]) * 4 > FUSED_MAX_BYTES)
+                or b * t * int(x.shape[2]) * 4 > FUSED_MAX_BYTES
                 or not (h0 is None or isinstance(h0, np.ndarray)) or not (c0 is None or isinstance(c0, np.ndarray))):
             return None
         if int(lens.min()) == t:

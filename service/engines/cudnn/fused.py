@@ -9,10 +9,9 @@ out, the many-to-one kernel, the download. That thread is what every stream's ch
 
 A fused call captures all of it once per shape, over buffers the graph owns:
 
-* ``inp``, one device buffer: each block's initial states h [rows, n, Ho] and c [rows, n, H],
-  the stream index [2, n] (int32: the slot each row reads, the slot it writes), the rows' lengths
-  or addresses where needed, and x [n, t, I]; the host packs them into a pinned slab of the
-  graph's own and one copy moves them;
+* ``inp``, one device buffer: x [n, t, I], each block's initial states h [rows, n, Ho] and
+  c [rows, n, H], and the stream index [2, n] (int32: the slot each row reads, the slot it
+  writes); the host packs them into a pinned slab of the graph's own and one copy moves them;
 * the graph: the slot gather into the state buffers (rows that read no slot keep the h_0/c_0
   packed there, or get zeros), the blocks, the slot scatter of the final states, the
   many-to-one rows;
@@ -26,14 +25,12 @@ and evicted with the engine's other graphs (:class:`.graphs.GraphRuns`); a state
 grows moves its arrays, and their addresses are part of the key, so graphs over the old
 arrays are never replayed again (they age out).
 
-Used for host inputs on float32 and float16 engines, of equal lengths (stream chunks, single
+Used for host inputs (arrays, or requests left in front-end arenas: :class:`.host_rows.HostRows`,
+packed on the host here) on float32 and float16 engines, of equal lengths (stream chunks, single
 requests) or a ragged many-to-one batch of a causal model that the plan runs padded (requests of
 different lengths, batched: their lengths are packed with the inputs and pick each row's last
-step inside the graph). An input array is packed into the slab when it is at most
-``FUSED_MAX_BYTES`` (see the engine: packing a large batch on the host costs more than the
-launches it saves); requests left in device-mapped front-end arenas (:class:`.host_rows.HostRows`)
-are gathered by the graph itself (:func:`.copies.gather_rows`, its first kernel), from a table of
-row addresses packed in the slab, whatever their size. Other calls take the engine's general path.
+step inside the graph), of at most ``FUSED_MAX_BYTES`` of input (see the engine: packing a large
+batch on the host costs more than the launches it saves). Other calls take the engine's general path.
 """
 from __future__ import annotations
 
@@ -47,7 +44,7 @@ from ...spec import RNNSpec
 from ..base import EngineOutput, Launched
 from ..state_pool import PooledRows
 from .block import AlgorithmRejected
-from .copies import gather_rows, gather_slots, last_steps, scatter_slots, swap01
+from .copies import gather_slots, last_steps, scatter_slots, swap01
 from .graphs import GraphRuns, capture, capture_errors
 from .host_rows import HostRows
 
@@ -106,7 +103,6 @@ class _Fused:
     graph: Any
     inp: Any                  # device bytes, laid out by ``ins``
     ins: _Layout
-    copied: int               # bytes of ``ins`` copied from the host per call (all but x where the graph gathers it)
     slabs: list[_Slab]        # used in turn (see FusedCalls._stage)
     out: Any                  # device bytes, laid out by ``outs``
     outs: _Layout
@@ -153,19 +149,11 @@ class FusedCalls:
             pool_key = (pooled.pool.capacity,) + tuple(a.data.ptr for pair in pooled.pool.arrays for a in pair
                                                        if a is not None)
         h_in, c_in = h0 is not None or pooled is not None, c0 is not None or pooled is not None
-        unit = None
-        if isinstance(x, HostRows):
-            if x.dtype != self.store:
-                return None
-            row_bytes = steps * int(x.shape[2]) * x.dtype.itemsize  # the graph's rows may be longer than the call's
-            unit = x.unit
-            while row_bytes % unit:
-                unit //= 2
         key = ("fused", n, steps, int(x.shape[2]), algos, seq_major, h0 is not None, c0 is not None, pool_key,
-               last_only, ragged, unit)
+               last_only, ragged)
         got = self.graphs.find(key, lambda: self._capture(key, n, steps, int(x.shape[2]), uniform, algos, seq_major,
                                                           h_in, c_in, h0 is not None, c0 is not None, pooled,
-                                                          last_only, ragged, unit))
+                                                          last_only, ragged))
         if got is None:
             return None
         stream = self.ctx.stream
@@ -194,12 +182,15 @@ class FusedCalls:
         if not slab.event.done:
             slab.event.synchronize()
         views = slab.views
-        if isinstance(x, HostRows):  # the graph gathers the rows where they lie: their addresses go up
-            table = views["table"]
-            table[:, :b] = x.table
-            table[:, b:] = 0
+        x_h = views["x"]
+        if isinstance(x, HostRows):  # the requests as they lie
+            row = 0
+            for src in x.sources:
+                steps = min(src.shape[1], t)
+                np.copyto(x_h[row:row + src.shape[0], :steps], src[:, :steps], casting="unsafe")
+                row += src.shape[0]
         else:
-            np.copyto(views["x"][:b, :t], x, casting="unsafe")
+            np.copyto(x_h[:b, :t], x, casting="unsafe")
         if lengths is not None:
             lens = views["lengths"]
             lens[:b] = lengths
@@ -218,13 +209,12 @@ class FusedCalls:
             index = views["index"]
             index[:, :b] = pooled.index
             index[:, b:] = -1
-        self.cp.cuda.runtime.memcpyAsync(got.inp.data.ptr, slab.mem.ptr, got.copied, _H2D, stream.ptr)
+        self.cp.cuda.runtime.memcpyAsync(got.inp.data.ptr, slab.mem.ptr, got.ins.nbytes, _H2D, stream.ptr)
         slab.event.record(stream)
 
-    def _slab(self, ins: _Layout, nbytes: int) -> _Slab:
-        """Pinned memory for the first ``nbytes`` of ``ins`` and views of the parts that lie there."""
-        mem = self.cp.cuda.alloc_pinned_memory(nbytes)
-        views = {name: ins.host(mem, name) for name in ins.entries if ins.end(name) <= nbytes}
+    def _slab(self, ins: _Layout) -> _Slab:
+        mem = self.cp.cuda.alloc_pinned_memory(ins.nbytes)
+        views = {name: ins.host(mem, name) for name in ins.entries}
         if "index" in views:
             views["index"] = views["index"].reshape(2, -1)
         return _Slab(mem, views, self.cp.cuda.Event(block=False, disable_timing=True))
@@ -251,13 +241,14 @@ class FusedCalls:
 
     def _capture(self, key: tuple, n: int, t: int, features: int, uniform: Any, algos: tuple, seq_major: bool,
                  h_in: bool, c_in: bool, h_given: bool, c_given: bool, pooled: PooledRows | None,
-                 last_only: bool, ragged: bool, rows_unit: int | None) -> _Fused | None:
+                 last_only: bool, ragged: bool) -> _Fused | None:
         cp, store, stream = self.cp, self.store, self.ctx.stream
         what = f"fused n={n} t={t}"
         started = time.perf_counter()
         lens_key, lens_host, lens_dev = uniform
         width = self.runners[-1].out_features
         ins, outs = _Layout(), _Layout()
+        ins.add("x", (n, t, features), store)
         for k, blk in enumerate(self.spec.blocks):
             if h_in:
                 ins.add(f"h{k}", (blk.pseudo_layers, n, blk.output_size), store)
@@ -267,9 +258,6 @@ class FusedCalls:
             ins.add("index", (2 * n,), np.int32)  # flat: reads, then writes (gather_slots takes an offset)
         if ragged:
             ins.add("lengths", (n,), np.int32)
-        if rows_unit is not None:
-            ins.add("table", (2, n), np.int64)
-        ins.add("x", (n, t, features), store)  # last: calls whose rows the graph gathers copy none of it
         outs.add("y", (n, width) if last_only else ((t, n, width) if seq_major else (n, t, width)), store)
         for k, blk in enumerate(self.spec.blocks):
             outs.add(f"h{k}", (blk.pseudo_layers, n, blk.output_size), store)
@@ -315,11 +303,7 @@ class FusedCalls:
             cols = forward_cols(self.spec, width)
             pools = pooled.pool.arrays if pooled is not None else None
 
-            table = ins.device(cp, inp, "table") if rows_unit is not None else None
-
             def enqueue() -> None:
-                if table is not None:
-                    gather_rows(cp, table, rows_unit, x_d)
                 if pools is not None:
                     for k in range(len(self.runners)):
                         gather_slots(cp, pools[k], states[k], index, 0, n, (h_given, c_given and self._lstm[k]))
@@ -343,8 +327,6 @@ class FusedCalls:
         except (*capture_errors(cp), ValueError, AlgorithmRejected) as exc:
             self.graphs.failed(key, what, exc)
             return None
-        copied = ins.entries["x"][0] if rows_unit is not None else ins.nbytes
-        got = _Fused(graph, inp, ins, copied, [self._slab(ins, copied) for _ in range(SLABS)], out, outs, y_out,
-                     keep, nbytes)
+        got = _Fused(graph, inp, ins, [self._slab(ins) for _ in range(SLABS)], out, outs, y_out, keep, nbytes)
         self.graphs.keep(key, got, started, what)
         return got
