@@ -42,10 +42,11 @@ from .warmup import warm_paths
 
 OUTPUT_DEVICES = ("host", "device")
 LAYOUTS = ("batch_major", "seq_major")
-# Calls with more input than this (counted as float32) take the general path: a fused call packs its input on the host, which for a
-# large batch costs more than the launches it saves, and the general path takes requests in front-end arenas
-# where they lie (H100 host, binary HTTP at concurrency 64, batches of ~18 requests of 20..200 steps, 0.6 MB:
-# 14,202 req/s fused vs 16,277 before; bench/results/h100-2026-11-24/requests_ab8.log).
+# Calls with more input than this (counted as float32) take the general path. Fusing large batches lost batched
+# throughput on H100 hosts (binary HTTP at concurrency 64, batches of ~18 requests of 20..200 steps: 14,202 vs
+# 16,277 req/s packing them on the host, 12,516 vs 13,719 gathering them from the arenas inside the graph; the
+# batches came out smaller; bench/results/h100-2026-11-24/). Small calls (stream chunks, single requests) are
+# where the launches' host time is most of the call.
 FUSED_MAX_BYTES = 64 << 10
 
 

@@ -29,8 +29,8 @@ Used for host inputs (arrays, or requests left in front-end arenas: :class:`.hos
 packed on the host here) on float32 and float16 engines, of equal lengths (stream chunks, single
 requests) or a ragged many-to-one batch of a causal model that the plan runs padded (requests of
 different lengths, batched: their lengths are packed with the inputs and pick each row's last
-step inside the graph), of at most ``FUSED_MAX_BYTES`` of input (see the engine: packing a large
-batch on the host costs more than the launches it saves). Other calls take the engine's general path.
+step inside the graph), of at most ``FUSED_MAX_BYTES`` of input (see the engine: fused large batches
+lost batched throughput). Other calls take the engine's general path.
 """
 from __future__ import annotations
 
