@@ -28,7 +28,7 @@ from ...repository import PackedModel
 from ..base import BlockState, Engine, EngineOutput, Launched, check_block_states, check_forward_args
 from ..state_pool import PooledRows, StatePool
 from . import library as L
-from .autotune import LONG_FACTOR, AlgoTable, BucketChoice, Group, Trial, batch_buckets, choose, plan
+from .autotune import AlgoTable, Group, batch_buckets, plan
 from .block import AlgorithmRejected
 from .block_states import block_views, new_states, read_slots, write_slots
 from .copies import last_steps, seq_major, swap01
@@ -37,17 +37,12 @@ from .graphs import SETUP_LOCK, GraphRuns
 from .host_rows import HostRows, host_rows
 from .mapped import mapped_host
 from .shape_buckets import GraphShapes
+from .tuning import tolerance
 from .transfer import download_results
 from .warmup import warm_paths
 
 OUTPUT_DEVICES = ("host", "device")
 LAYOUTS = ("batch_major", "seq_major")
-# Calls with more input than this (counted as float32) take the general path. Fusing large batches lost batched
-# throughput on H100 hosts (binary HTTP at concurrency 64, batches of ~18 requests of 20..200 steps: 14,202 vs
-# 16,277 req/s packing them on the host, 12,516 vs 13,719 gathering them from the arenas inside the graph; the
-# batches came out smaller; bench/results/h100-2026-11-24/). Small calls (stream chunks, single requests) are
-# where the launches' host time is most of the call.
-FUSED_MAX_BYTES = 64 << 10
 
 
 
@@ -206,31 +201,10 @@ class CudnnEngine(Engine):
         raise AssertionError("unreachable")
 
     def _tune(self, autotune: bool, steps: int, graph: bool = False) -> AlgoTable:
-        from .tuning import tune_block
+        from .tuning import tune_table
 
-        if not autotune and self._forced in (None, L.ALGO_STANDARD):
-            choices = [[BucketChoice(b, L.ALGO_STANDARD, None, {L.ALGO_STANDARD: Trial(L.ALGO_STANDARD)})
-                        for b in self._buckets] for _ in self._runners]
-            return AlgoTable(self._buckets, choices, steps, self._forced)
-        if self._forced is not None:
-            algos = (L.ALGO_STANDARD,) if self._forced == L.ALGO_STANDARD else (L.ALGO_STANDARD, self._forced)
-        else:
-            algos = (L.ALGO_STANDARD, L.ALGO_PERSIST_STATIC, L.ALGO_PERSIST_STATIC_SMALL_H, L.ALGO_PERSIST_DYNAMIC)
-        choices = []
-        long_steps = steps * LONG_FACTOR
-        for runner in self._runners:
-            trials = tune_block(runner, self._conv, self._buckets, steps, algos, self._tolerance(),
-                                give_up=self._forced is None, long_steps=long_steps, graph=graph)
-            per = [choose(b, t, self._forced) for b, t in zip(self._buckets, trials)]
-            if self._forced not in (None, L.ALGO_STANDARD) and all(c.algo != self._forced for c in per):
-                errors = {c.trials[self._forced].error for c in per if self._forced in c.trials}
-                raise EngineUnavailable(
-                    f"algorithm '{L.ALGO_NAMES[self._forced]}' cannot run block {runner.index} "
-                    f"({runner.spec.cell}, H={runner.spec.hidden_size}, proj={runner.spec.proj_size}) at any batch "
-                    f"size: {'; '.join(sorted(e for e in errors if e))}"
-                )
-            choices.append(per)
-        return AlgoTable(self._buckets, choices, steps, self._forced, long_steps)
+        return tune_table(self._runners, self._conv, self._buckets, steps, self._forced, autotune,
+                          tolerance(self.precision, self.allow_tf32), graph)
 
     def _tune_layouts(self, autotune: bool, steps: int) -> None:
         from .tuning import tune_layouts
@@ -242,11 +216,6 @@ class CudnnEngine(Engine):
             return
         tune_layouts(self._table, self._run_blocks, self._uniform, self._conv, self.spec.input_size, steps,
                      self._ctx.stream)
-
-    def _tolerance(self) -> float:
-        if self.precision == "float32":
-            return 1e-2 if self.allow_tf32 else 1e-3
-        return 5e-2 if self.precision == "float16" else 1.5e-1
 
     # -- contract ---------------------------------------------------------------------------------
 
@@ -353,7 +322,8 @@ class CudnnEngine(Engine):
         self._ensure_open()
         with self._lock, self._ctx.device, self._ctx.stream:
             checked = self._check(x, lengths, h0, c0)
-            launched = self._launch_fused(checked, h0, c0, states_needed, last_only, pooled)
+            launched = None if self._fused is None else self._fused.try_launch(
+                checked, h0, c0, pooled, states_needed, last_only, self._table, self._shapes, self._uniform)
             if launched is not None:
                 return launched
             y, hy, cy, out_dtype = self._queue(checked, lengths is None, h0, c0, states_needed, last_only, pooled)
@@ -388,29 +358,6 @@ class CudnnEngine(Engine):
         launched = self.launch(x, lengths, h0, c0, states_needed, last_only, pooled)
         launched.wait()
         return launched.finish()
-
-    def _launch_fused(self, checked, h0, c0, states_needed, last_only, pooled) -> Launched | None:
-        """The call as one fused graph (see :mod:`.fused`), or None where that does not apply (yet)."""
-        x, b, t, lens, out_dtype = checked
-        table = self._table
-        if (self._fused is None or not isinstance(x, (np.ndarray, HostRows)) or b > table.biggest
-                or b * t * int(x.shape[2]) * 4 > FUSED_MAX_BYTES
-                or not (h0 is None or isinstance(h0, np.ndarray)) or not (c0 is None or isinstance(c0, np.ndarray))):
-            return None
-        if int(lens.min()) == t:
-            n = self._shapes.rows(b, t)[0]
-            return self._fused.launch(x, b, t, (n, t), self._uniform(n, t), table.algos_for(n, t),
-                                      table.seq_major_for(b), h0, c0, pooled, states_needed, last_only, out_dtype)
-        # a ragged many-to-one batch that the plan runs padded (see _run): the same, with its lengths
-        if not (last_only and not states_needed and pooled is None and h0 is None and c0 is None
-                and self.spec.causal):
-            return None
-        groups = plan(table, b, t, lens, True)
-        if len(groups) != 1 or groups[0].rows is not None or not groups[0].uniform:
-            return None
-        shape = self._shapes.padded(b, t)
-        return self._fused.launch(x, b, t, shape, self._uniform(*shape), table.algos_for(*shape),
-                                  groups[0].seq_major, None, None, None, False, True, out_dtype, lengths=lens)
 
     def _queue(self, checked, uniform_lengths, h0, c0, states_needed, last_only, pooled):
         """Inputs in, blocks run (and the many-to-one rows picked): (y, hy, cy, out_dtype) on the device.

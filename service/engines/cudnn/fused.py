@@ -29,8 +29,8 @@ Used for host inputs (arrays, or requests left in front-end arenas: :class:`.hos
 packed on the host here) on float32 and float16 engines, of equal lengths (stream chunks, single
 requests) or a ragged many-to-one batch of a causal model that the plan runs padded (requests of
 different lengths, batched: their lengths are packed with the inputs and pick each row's last
-step inside the graph), of at most ``FUSED_MAX_BYTES`` of input (see the engine: fused large batches
-lost batched throughput). Other calls take the engine's general path.
+step inside the graph), of at most ``FUSED_MAX_BYTES`` of input (fused large batches lost batched
+throughput: see there). Other calls take the engine's general path.
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ import numpy as np
 from ...spec import RNNSpec
 from ..base import EngineOutput, Launched
 from ..state_pool import PooledRows
+from .autotune import plan
 from .block import AlgorithmRejected
 from .copies import gather_slots, last_steps, scatter_slots, swap01
 from .graphs import GraphRuns, capture, capture_errors
@@ -51,6 +52,12 @@ from .host_rows import HostRows
 _ALIGN = 256
 SLABS = 3  # pinned input slabs per graph; the scheduler keeps at most two calls in flight
 _H2D, _D2H = 1, 2
+# Calls with more input than this (counted as float32) take the general path. Fusing large batches lost batched
+# throughput on H100 hosts (binary HTTP at concurrency 64, batches of ~18 requests of 20..200 steps: 14,202 vs
+# 16,277 req/s packing them on the host, 12,516 vs 13,719 gathering them from the arenas inside the graph; the
+# batches came out smaller; bench/results/h100-2026-11-24/). Small calls (stream chunks, single requests) are
+# where the launches' host time is most of the call.
+FUSED_MAX_BYTES = 64 << 10
 
 
 def forward_cols(spec: RNNSpec, width: int) -> int:
@@ -126,6 +133,31 @@ class FusedCalls:
         self.blocking_sync = blocking_sync
         self.replays = 0
         self._lstm = [blk.cell == "lstm" for blk in spec.blocks]
+
+    def try_launch(self, checked: tuple, h0: Any, c0: Any, pooled: PooledRows | None, states_needed: bool,
+                   last_only: bool, table: Any, shapes: Any, uniform: Any) -> Launched | None:
+        """The engine's checked call (x, b, t, lens, out_dtype) as a fused graph, or None where that does not
+        apply (yet). ``table``: the engine's AlgoTable; ``shapes``: its GraphShapes; ``uniform(n, t)``: its
+        equal lengths (key, host, device)."""
+        x, b, t, lens, out_dtype = checked
+        if (not isinstance(x, (np.ndarray, HostRows)) or b > table.biggest
+                or b * t * int(x.shape[2]) * 4 > FUSED_MAX_BYTES
+                or not (h0 is None or isinstance(h0, np.ndarray)) or not (c0 is None or isinstance(c0, np.ndarray))):
+            return None
+        if int(lens.min()) == t:
+            n = shapes.rows(b, t)[0]
+            return self.launch(x, b, t, (n, t), uniform(n, t), table.algos_for(n, t), table.seq_major_for(b),
+                               h0, c0, pooled, states_needed, last_only, out_dtype)
+        # a ragged many-to-one batch that the plan runs padded (see the engine's _run): the same, with its lengths
+        if not (last_only and not states_needed and pooled is None and h0 is None and c0 is None
+                and self.spec.causal):
+            return None
+        groups = plan(table, b, t, lens, True)
+        if len(groups) != 1 or groups[0].rows is not None or not groups[0].uniform:
+            return None
+        shape = shapes.padded(b, t)
+        return self.launch(x, b, t, shape, uniform(*shape), table.algos_for(*shape), groups[0].seq_major,
+                           None, None, None, False, True, out_dtype, lengths=lens)
 
     def launch(self, x: np.ndarray | HostRows, b: int, t: int, shape: tuple[int, int], uniform: Any, algos: tuple,
                seq_major: bool, h0: np.ndarray | None, c0: np.ndarray | None, pooled: PooledRows | None,

@@ -5,8 +5,9 @@ import time
 
 import numpy as np
 
+from ...errors import EngineUnavailable
 from . import library as L
-from .autotune import Trial, time_call
+from .autotune import LONG_FACTOR, AlgoTable, BucketChoice, Trial, choose, time_call
 from .block import AlgorithmRejected, BlockRunner
 from .transfer import Converter
 
@@ -14,6 +15,43 @@ from .transfer import Converter
 # consecutive buckets it is not timed at larger ones (keeps load time down, PERSIST_DYNAMIC compiles).
 GIVE_UP_AFTER = 2
 LAYOUT_MARGIN = 0.05  # batch-major IO must be this much faster to be chosen over sequence-major
+
+
+def tolerance(precision: str, allow_tf32: bool) -> float:
+    """How far a persistent algorithm's outputs may be from STANDARD's to be used (relative to the outputs' scale)."""
+    if precision == "float32":
+        return 1e-2 if allow_tf32 else 1e-3
+    return 5e-2 if precision == "float16" else 1.5e-1
+
+
+def tune_table(runners: list[BlockRunner], conv: Converter, buckets: tuple[int, ...], steps: int,
+               forced: int | None, autotune: bool, tol: float, graph: bool = False) -> AlgoTable:
+    """The engine's algorithm table: every block timed at every bucket (see :func:`tune_block`), or STANDARD
+    everywhere when not ``autotune``; ``forced``: the one algorithm a caller asked for (with STANDARD where
+    it cannot run), refused with EngineUnavailable where it runs at no batch size."""
+    if not autotune and forced in (None, L.ALGO_STANDARD):
+        choices = [[BucketChoice(b, L.ALGO_STANDARD, None, {L.ALGO_STANDARD: Trial(L.ALGO_STANDARD)})
+                    for b in buckets] for _ in runners]
+        return AlgoTable(buckets, choices, steps, forced)
+    if forced is not None:
+        algos = (L.ALGO_STANDARD,) if forced == L.ALGO_STANDARD else (L.ALGO_STANDARD, forced)
+    else:
+        algos = (L.ALGO_STANDARD, L.ALGO_PERSIST_STATIC, L.ALGO_PERSIST_STATIC_SMALL_H, L.ALGO_PERSIST_DYNAMIC)
+    choices = []
+    long_steps = steps * LONG_FACTOR
+    for runner in runners:
+        trials = tune_block(runner, conv, buckets, steps, algos, tol, give_up=forced is None,
+                            long_steps=long_steps, graph=graph)
+        per = [choose(b, t, forced) for b, t in zip(buckets, trials)]
+        if forced not in (None, L.ALGO_STANDARD) and all(c.algo != forced for c in per):
+            errors = {c.trials[forced].error for c in per if forced in c.trials}
+            raise EngineUnavailable(
+                f"algorithm '{L.ALGO_NAMES[forced]}' cannot run block {runner.index} "
+                f"({runner.spec.cell}, H={runner.spec.hidden_size}, proj={runner.spec.proj_size}) at any batch "
+                f"size: {'; '.join(sorted(e for e in errors if e))}"
+            )
+        choices.append(per)
+    return AlgoTable(buckets, choices, steps, forced, long_steps)
 
 
 def _as_float32(conv: Converter, a):
