@@ -37,8 +37,8 @@ from .graphs import SETUP_LOCK, GraphRuns
 from .host_rows import HostRows, host_rows
 from .mapped import mapped_host
 from .shape_buckets import GraphShapes
-from .tuning import tolerance
 from .transfer import download_results
+from .tuning import tolerance, tune_layouts, tune_table
 from .warmup import warm_paths
 
 OUTPUT_DEVICES = ("host", "device")
@@ -201,14 +201,10 @@ class CudnnEngine(Engine):
         raise AssertionError("unreachable")
 
     def _tune(self, autotune: bool, steps: int, graph: bool = False) -> AlgoTable:
-        from .tuning import tune_table
-
         return tune_table(self._runners, self._conv, self._buckets, steps, self._forced, autotune,
                           tolerance(self.precision, self.allow_tf32), graph)
 
     def _tune_layouts(self, autotune: bool, steps: int) -> None:
-        from .tuning import tune_layouts
-
         if self._layout is not None or not autotune:
             forced = self._layout == "seq_major"
             self._table.layouts = {b: (forced, {"forced": self._layout} if self._layout else {})
