@@ -15,7 +15,7 @@ set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/*.whl
+[ -e /tmp/site/grpc/_cython ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KERAS_BACKEND=torch
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/env.log"
 python3 -c "import cupy, torch, numpy; print('cupy', cupy.__version__, 'torch', torch.__version__, 'numpy', numpy.__version__)" >> "$OUT/env.log" 2>&1

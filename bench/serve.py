@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-from procstat import CpuSampler
+from procstat import CpuSampler, HostSampler
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -1004,7 +1004,8 @@ def run_streams(job: dict, n: int, clients: int) -> dict:
             "client_late_max_ms": 1000 * max(late, default=0.0),
             "client_late_10ms": sum(x >= 0.010 for x in late),
             "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
-            "p99_ms": float(np.percentile(lat, 99)) if lat.size else None, **_tail(sends, lat)}
+            "p99_ms": float(np.percentile(lat, 99)) if lat.size else None, **_tail(sends, lat),
+            "send_window": (float(sends.min()), float(sends.max())) if sends.size else None}
 
 
 def _stalls(lines: list[str]) -> str:
@@ -1065,7 +1066,9 @@ async def bench_streams(args: argparse.Namespace, http_url: str, grpc_url: str |
                 cell = {**job, "chunks": chunks, "stateful": stateful, "interval": interval_ms / 1000}
                 before = server_counters(http_url, args.stream_model)
                 logged = len(SERVER_LOG)
-                row = await asyncio.to_thread(run_streams, cell, n, args.clients)
+                with HostSampler() as host:
+                    row = await asyncio.to_thread(run_streams, cell, n, args.clients)
+                row.update((row["send_window"] and host.window(*row["send_window"])) or {})
                 row.update(server_side(before, server_counters(http_url, args.stream_model)))
                 row["server_stalls"] = _stalls(SERVER_LOG[logged:])
                 rows.append(row)
@@ -1088,7 +1091,20 @@ def _format_stream_row(r: dict) -> str:
             + (f"; client loops late max {r['client_late_max_ms']:.1f} ms ({r['client_late_10ms']} times >= 10 ms)"
                if "client_late_max_ms" in r else "")
             + (f"; server: {r['server_stalls']}" if r.get("server_stalls") else "")
-            + (f"; worst windows at {r['worst_windows_s']} s" if r.get("worst_windows_s") else ""))
+            + (f"; worst windows at {r['worst_windows_s']} s" if r.get("worst_windows_s") else "")
+            + _host_text(r))
+
+
+def _host_text(r: dict) -> str:
+    """The host's CPU over a streams cell's sends (see :class:`procstat.HostSampler`), or ""."""
+    if r.get("host_busy_cores") is None:
+        return ""
+    text = (f"; host: {r['host_busy_cores']:.1f} of {os.cpu_count()} CPUs busy, steal {r['host_steal_cores']:.2f} "
+            f"(max {r['host_steal_max_cores']:.1f} in 100 ms)")
+    if r.get("host_pressure") is not None:
+        text += (f", CPU pressure {100 * r['host_pressure']:.0f}% "
+                 f"(max {100 * r['host_pressure_max']:.0f}% in 100 ms)")
+    return text
 
 
 STREAM_HEAD = ("| mode      |   sends  | streams | chunks |  chunks/s |  p50 ms  |  p99 ms  | server ms | queue ms | avg batch "

@@ -33,6 +33,33 @@ def numpy_dtype(datatype: str) -> np.dtype:
         ) from None
 
 
+# No request comes near this many values; past 2**63 NumPy cannot even describe an empty array of the
+# shape (a zero dimension beside two of 2**40 made np.zeros and reshape raise, a 500 before this check).
+MAX_SHAPE_PRODUCT = 2 ** 48
+
+
+def check_shape_size(name: str, shape: list[int]) -> None:
+    """InvalidInput if the non-zero dimensions of input ``name``'s ``shape`` multiply past :data:`MAX_SHAPE_PRODUCT`."""
+    product = 1
+    for d in shape:
+        product *= d or 1
+    if product > MAX_SHAPE_PRODUCT:
+        raise InvalidInput(f"input '{name}' has shape {shape}, whose dimensions multiply to more than 2**48; "
+                           f"send the tensor's real shape")
+
+
+def refuse_extensions(parameters: dict[str, Any], where: str) -> None:
+    """InvalidInput for a tensor parameter of a protocol extension rnnserve does not implement and that a
+    server ignoring it would answer wrongly: shared memory (the data is not in the request, or the client
+    reads its answer from a region nobody wrote) and classification (raw values where classes were asked)."""
+    if "shared_memory_region" in parameters:
+        raise InvalidInput(f"{where} uses the shared-memory extension (shared_memory_region), which rnnserve does "
+                           f"not support; send the data in the request (tritonclient: leave out set_shared_memory)")
+    if "classification" in parameters:
+        raise InvalidInput(f"{where} asks for classification (class_count), which rnnserve does not do; ask for "
+                           f"the output itself and take the top classes on the client")
+
+
 def datatype_of(arr: np.ndarray) -> str:
     """V2 datatype name of a NumPy array."""
     return _NAMES[np.dtype(arr.dtype)]

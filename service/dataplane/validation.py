@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import InvalidInput
 from ..scheduler import SequenceWork
 from .signature import FLOAT_TYPES, INT_TYPES, ModelSignature
-from .types import InferRequest, InferTensor
+from .types import InferRequest, InferTensor, refuse_extensions
 
 def request_deadline(parameters: dict[str, Any]) -> float | None:
     """``time.monotonic()`` deadline from the request's ``timeout`` parameter (µs), or None."""
@@ -46,7 +46,7 @@ class StreamRequest:
 def stream_request(parameters: dict[str, Any]) -> StreamRequest | None:
     """The request's stream from Triton's sequence_id/start/end parameters (id 0 or "" means none)."""
     seq = parameters.get("sequence_id")
-    start, end = (_flag(parameters, n) for n in ("sequence_start", "sequence_end"))
+    start, end = (bool_parameter(parameters, n) for n in ("sequence_start", "sequence_end"))
     if seq in (None, 0, ""):
         if start or end:
             raise InvalidInput("sequence_start/sequence_end need a non-zero 'sequence_id' parameter")
@@ -57,10 +57,14 @@ def stream_request(parameters: dict[str, Any]) -> StreamRequest | None:
     return StreamRequest(key, start, end)
 
 
-def _flag(parameters: dict[str, Any], name: str) -> bool:
+def bool_parameter(parameters: dict[str, Any], name: str, where: str = "") -> bool:
+    """Parameter ``name`` (False when absent), or InvalidInput unless it is a boolean: ``bool("false")`` is True.
+
+    ``where``: whose parameter it is in the message (e.g. "output 'output'"), for ones not of the request.
+    """
     value = parameters.get(name, False)
     if not isinstance(value, bool):
-        raise InvalidInput(f"parameter '{name}' must be true or false, got {value!r}")
+        raise InvalidInput(f"{where + ' ' if where else ''}parameter '{name}' must be true or false, got {value!r}")
     return value
 
 
@@ -125,6 +129,7 @@ def requested_outputs(request: InferRequest, sig: ModelSignature) -> frozenset[s
             raise InvalidInput(
                 f"unknown output '{out.name}' for model '{request.model_name}'; its outputs are {', '.join(names)}"
             )
+        refuse_extensions(out.parameters, f"output '{out.name}'")
     return frozenset(o.name for o in request.outputs)
 
 

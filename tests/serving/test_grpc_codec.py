@@ -35,6 +35,28 @@ def test_empty_tensor_needs_no_data():
     assert decoded.outputs is None
 
 
+@pytest.mark.parametrize("raw", [False, True])
+def test_a_shape_numpy_cannot_describe_is_refused_not_a_crash(raw):
+    # a zero beside dimensions of 2**40: no data needed, but np.zeros and reshape raised ValueError (INTERNAL)
+    request = pb.ModelInferRequest(model_name="m")
+    request.inputs.add(name="input", datatype="FP32", shape=[0, 2**40, 2**40])
+    if raw:
+        request.raw_input_contents.append(b"")
+    with pytest.raises(InvalidInput, match=r"input 'input' has shape \[0, 1099511627776, 1099511627776\], whose "
+                                            r"dimensions multiply to more than 2\*\*48"):
+        decode_request(request)
+
+
+def test_shared_memory_inputs_are_refused_by_name():
+    request = pb.ModelInferRequest(model_name="m")
+    t = request.inputs.add(name="input", datatype="FP32", shape=[1, 2, 3])
+    t.parameters["shared_memory_region"].string_param = "in0"
+    t.parameters["shared_memory_byte_size"].int64_param = 24
+    with pytest.raises(InvalidInput, match=r"input 'input' uses the shared-memory extension \(shared_memory_region\), "
+                                            r"which rnnserve does not support; send the data in the request"):
+        decode_request(request)
+
+
 def test_typed_int8_out_of_range_is_refused_not_wrapped():
     request = pb.ModelInferRequest(model_name="m")
     request.inputs.add(name="lengths", datatype="INT8", shape=[2]).contents.int_contents.extend([5, -300])

@@ -55,6 +55,11 @@ def test_tritonclient_grpc_against_real_server(request):
         with pytest.raises(tg.InferenceServerException) as info:
             client.infer("no-such-model", triton_inputs(tg, x, lengths))
         assert info.value.status() == "StatusCode.NOT_FOUND"
+        # tritonclient's class_count asks for classification, which rnnserve refuses rather than ignores
+        with pytest.raises(tg.InferenceServerException) as info:
+            client.infer(name, triton_inputs(tg, x, lengths), outputs=[tg.InferRequestedOutput("output_last", class_count=2)])
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "asks for classification (class_count), which rnnserve does not do" in info.value.message()
 
     repository = _fixture(request, "model_repository")
     if repository is not None:

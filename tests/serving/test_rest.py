@@ -168,6 +168,29 @@ BAD = [
     ("lstm", {"inputs": [_inp()], "parameters": {"sequence_id": 3, "sequence_end": "yes"}}, 400, "'sequence_end' must be true or false"),
     ("lstm", {"inputs": [_inp()], "parameters": {"timeout": "soon"}}, 400, "parameter 'timeout' must be a number of microseconds"),
     ("lstm", {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, -2, 4], "data": X}]}, 400, "'shape' list of non-negative integers"),
+    # JSON integers past a type's range, and fractions for an integer type: NumPy raised OverflowError
+    # (a 500) or cut 1.7 to 1 (a length silently wrong)
+    ("lstm", {"inputs": [_inp(), _inp("lengths", "INT32", (1,), [1.7])]}, 400,
+     "input 'lengths' is INT32: its data must be whole numbers from -2147483648 to 2147483647"),
+    ("lstm", {"inputs": [_inp(), _inp("lengths", "INT64", (1,), [True])]}, 400, "must be whole numbers"),
+    ("lstm", {"inputs": [_inp(), _inp("lengths", "INT32", (1,), [2 ** 40])]}, 400, "must be whole numbers"),
+    ("lstm", {"inputs": [_inp(), _inp("lengths", "INT64", (1,), [2 ** 70])]}, 400, "must be whole numbers"),
+    ("lstm", {"inputs": [_inp(datatype="INT32", data=[-2 ** 70] * 8)]}, 400, "must be whole numbers"),
+    ("lstm", {"inputs": [_inp(), _inp("lengths", "INT32", (1,), [3.0])]}, 400, "lengths[0] = 3 is out of range"),
+    ("lstm", {"inputs": [_inp(data=[2 ** 1100] + [0] * 7)]}, 400, "cannot be read as FP32"),
+    ("lstm", {"inputs": [_inp(data=[1e300] + [0] * 7)]}, 400, "contains NaN or infinite values (first at index [0, 0, 0])"),
+    ("lstm", {"inputs": [_inp(shape=(2 ** 40, 0, 2 ** 40), data=[])]}, 400, "whose dimensions multiply to more than 2**48"),
+    ("lstm", {"inputs": [_inp()], "parameters": {"binary_data_output": "false"}}, 400,
+     "request parameter 'binary_data_output' must be true or false, got 'false'"),
+    ("lstm", {"inputs": [_inp()], "outputs": [{"name": "output", "parameters": {"binary_data": 1}}]}, 400,
+     "output 'output' parameter 'binary_data' must be true or false, got 1"),
+    ("lstm", {"inputs": [_inp()], "outputs": [{"name": "output_last", "parameters": {"classification": 3}}]}, 400,
+     "output 'output_last' asks for classification (class_count), which rnnserve does not do"),
+    ("lstm", {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 2, 4],
+                          "parameters": {"shared_memory_region": "in0", "shared_memory_byte_size": 32}}]}, 400,
+     "input 'input' uses the shared-memory extension (shared_memory_region), which rnnserve does not support"),
+    ("lstm", {"inputs": [_inp()], "outputs": [{"name": "output", "parameters": {"shared_memory_region": "out0"}}]}, 400,
+     "output 'output' uses the shared-memory extension"),
 ]
 
 

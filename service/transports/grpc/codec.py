@@ -21,7 +21,9 @@ from ...dataplane.types import (
     InferResponse,
     InferTensor,
     RequestedOutput,
+    check_shape_size,
     numpy_dtype,
+    refuse_extensions,
 )
 from ...errors import InvalidInput
 from .generated import inference_pb2 as pb
@@ -85,6 +87,7 @@ def _shape(name: str, dims) -> list[int]:
     shape = [int(d) for d in dims]
     if any(d < 0 for d in shape):
         raise InvalidInput(f"input '{name}' has shape {shape}; every dimension must be >= 0")
+    check_shape_size(name, shape)
     return shape
 
 
@@ -158,6 +161,8 @@ def decode_request(msg: pb.ModelInferRequest) -> InferRequest:
 
     inputs: list[InferTensor] = []
     for i, tensor in enumerate(msg.inputs):
+        params = decode_parameters(tensor.parameters)
+        refuse_extensions(params, f"input '{tensor.name}'")
         shape = _shape(tensor.name, tensor.shape)
         if raw:
             data = _from_raw(tensor.name, tensor.datatype, shape, raw[i])
@@ -169,7 +174,7 @@ def decode_request(msg: pb.ModelInferRequest) -> InferRequest:
                 datatype=tensor.datatype,
                 shape=shape,
                 data=data,
-                parameters=decode_parameters(tensor.parameters),
+                parameters=params,
             )
         )
 

@@ -18,7 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from ...dataplane.types import InferRequest, InferResponse, InferTensor, RequestedOutput, numpy_dtype
+from ...dataplane.types import (InferRequest, InferResponse, InferTensor, RequestedOutput, check_shape_size,
+                                numpy_dtype, refuse_extensions)
+from ...dataplane.validation import bool_parameter
 from ...errors import InvalidInput
 
 HEADER = "Inference-Header-Content-Length"
@@ -77,8 +79,12 @@ def decode_request(body: bytes, header_length: str | None, model: str, version: 
         for o in doc["outputs"]:
             if not isinstance(o, dict) or not isinstance(o.get("name"), str):
                 raise InvalidInput("each entry of 'outputs' needs a 'name' string")
-            outputs.append(RequestedOutput(o["name"], _params(o, f"output '{o['name']}'")))
-    return InferRequest(model, version, str(doc.get("id", "") or ""), inputs, outputs, _params(doc, "request"))
+            params = _params(o, f"output '{o['name']}'")
+            bool_parameter(params, "binary_data", f"output '{o['name']}'")  # a string would pick the other encoding
+            outputs.append(RequestedOutput(o["name"], params))
+    params = _params(doc, "request")
+    bool_parameter(params, "binary_data_output", "request")
+    return InferRequest(model, version, str(doc.get("id", "") or ""), inputs, outputs, params)
 
 
 def _params(obj: dict, where: str) -> dict[str, Any]:
@@ -100,8 +106,10 @@ def _decode_input(item: Any, binary: memoryview, offset: int) -> tuple[InferTens
     if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
                                               for s in shape):
         raise InvalidInput(f"input '{name}' needs a 'shape' list of non-negative integers, got {shape!r}")
+    check_shape_size(name, shape)
     count = math.prod(shape)
     params = _params(item, f"input '{name}'")
+    refuse_extensions(params, f"input '{name}'")
     size = params.get("binary_data_size")
     if size is not None:
         need = count * dtype.itemsize
@@ -115,14 +123,35 @@ def _decode_input(item: Any, binary: memoryview, offset: int) -> tuple[InferTens
         return InferTensor(name, datatype, shape, arr, params), size
     if "data" not in item:
         raise InvalidInput(f"input '{name}' has neither 'data' nor a binary_data_size parameter")
-    try:
-        arr = np.asarray(item["data"], dtype=dtype)
-    except (ValueError, TypeError) as exc:
-        raise InvalidInput(f"input '{name}' data cannot be read as {datatype} (nested lists must be "
-                           f"rectangular numbers): {exc}") from exc
+    arr = _json_values(name, datatype, dtype, item["data"])
     if arr.size != count:
         raise InvalidInput(f"input '{name}' has {arr.size} values but shape {shape} needs {count}")
     return InferTensor(name, datatype, shape, arr.reshape(shape), params), 0
+
+
+def _json_values(name: str, datatype: str, dtype: np.dtype, data: Any) -> np.ndarray:
+    """The JSON ``data`` of an input as an array of ``dtype`` (InvalidInput saying what to change).
+
+    Integer types take whole numbers only (3 or 3.0), in range: NumPy would cut 2.7 to 2 (a length
+    silently wrong) and raise OverflowError, not ValueError, past the type's range.
+    """
+    try:
+        if dtype.kind not in "iu":
+            with np.errstate(over="ignore"):  # past FP16/FP32 range: inf, which validation refuses by name
+                return np.asarray(data, dtype=dtype)
+        raw = np.asarray(data)
+        if raw.size == 0:
+            return raw.astype(dtype)
+        info = np.iinfo(dtype)
+        whole = raw.dtype.kind in "iu" or (
+            raw.dtype.kind == "f" and bool(np.all(np.isfinite(raw) & (raw == np.round(raw)))))
+        if not whole or raw.min() < info.min or raw.max() > info.max:
+            raise InvalidInput(f"input '{name}' is {datatype}: its data must be whole numbers from {info.min} to "
+                               f"{info.max} (no fractions, booleans or strings)")
+        return raw.astype(dtype)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise InvalidInput(f"input '{name}' data cannot be read as {datatype} (nested lists must be "
+                           f"rectangular numbers within its range): {exc}") from exc
 
 
 def encode_response(response: InferResponse, request_parameters: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
