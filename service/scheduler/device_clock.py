@@ -43,6 +43,7 @@ class DeviceClock:
         self.free_at = 0.0  # predicted end of the last launched batch
         self.device_s = 0.0  # predicted device time of the last launched batch
         self._last_done = 0.0
+        self._last_returned = 0.0  # when the last launched batch's launch returned
 
     def launched(self, formed: float, returned: float, steps: int) -> None:
         """A batch of ``steps`` (longest sequence) was formed at ``formed`` and queued by ``returned``."""
@@ -50,6 +51,7 @@ class DeviceClock:
         start = max(returned, self.free_at)
         self.device_s = (self.per_step or 0.0) * steps
         self.free_at = start + self.device_s
+        self._last_returned = returned
 
     def finished(self, returned: float, done: float, steps: int) -> None:
         """The batch whose launch returned at ``returned`` had its outputs on the host at ``done``.
@@ -61,6 +63,10 @@ class DeviceClock:
         self._last_done = done
         if seconds > 0:
             self.per_step = _average(self.per_step, seconds / max(1, steps))
+        if returned >= self._last_returned:
+            # the last launched batch is done, so the device is free now: a prediction that ran long must not
+            # carry over, or batches launched after it would queue behind a predicted end that never came
+            self.free_at = done
 
     def form_at(self) -> float:
         """When to form the next batch so that it is launched as the device gets free."""

@@ -116,7 +116,7 @@ class Scheduler:
         # Just-in-time forming of the next batch while one runs (see device_clock).
         self._clock = DeviceClock() if self._inflight > 1 and getattr(engine, "launches", False) else None
         self._holding = False
-        self._launched_in_flight = 0  # launched batches not yet waited for (see _poll_device)
+        self._running: set[asyncio.Task] = set()  # tasks of the batches taken from the queue (see _poll_device)
         # Label lookups take a lock and hash the labels: bind this model's series once. The registry
         # removes the gauges only when the version goes away for good (not when a reload replaces it).
         self._series = None if metrics is None else SimpleNamespace(**{
@@ -227,7 +227,7 @@ class Scheduler:
             self._series.queue_depth.set(len(self._waiting))
 
     async def _loop(self) -> None:
-        running: set[asyncio.Task] = set()
+        running = self._running
         while True:
             if self._waiting and len(running) < self._inflight:
                 if running and await self._hold():
@@ -338,13 +338,9 @@ class Scheduler:
         steps, returned = int(merged.x.shape[1]), time.perf_counter()
         if self._clock is not None:
             self._clock.launched(start, returned, steps)
-        self._launched_in_flight += 1
-        try:
-            done = await self._poll_device(launched, returned)
-            if done is None:
-                done = await asyncio.get_running_loop().run_in_executor(self._executor, _wait, launched)
-        finally:
-            self._launched_in_flight -= 1
+        done = await self._poll_device(launched, returned)
+        if done is None:
+            done = await asyncio.get_running_loop().run_in_executor(self._executor, _wait, launched)
         if self._clock is not None:
             self._clock.finished(returned, done, steps)
         results = finish_batch(self.engine, merged, launched, parts)
@@ -370,7 +366,10 @@ class Scheduler:
         iteration is long, and the device clock would learn its delay as device time.
         """
         clock, bound = self._clock, self.inline_wait_s
-        if (clock is None or clock.per_step is None or self._waiting or self._launched_in_flight > 1
+        # another batch in flight: launched and not yet waited for, or taken and not yet launched (its task
+        # has not started); a finished task leaves the set a callback later
+        others = sum(1 for task in self._running if not task.done()) > 1
+        if (clock is None or clock.per_step is None or self._waiting or others
                 or clock.free_at - returned > bound):
             return None
         give_up = time.perf_counter() + bound + max(0.0, clock.free_at - returned)  # predicted end, then the bound

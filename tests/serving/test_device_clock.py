@@ -23,6 +23,20 @@ def test_the_clock_learns_time_per_step_and_queues_batches_behind_each_other():
     assert clock.per_step == pytest.approx(0.00011, rel=0.05)
 
 
+def test_when_the_last_batch_is_done_the_device_is_free_whatever_was_predicted():
+    clock = DeviceClock()
+    clock.launched(0.0, 0.001, 10)
+    clock.finished(0.001, 0.011, 10)  # 1 ms per step
+    clock.launched(1.0, 1.001, 10)  # predicted to end at 1.011
+    clock.launched(1.002, 1.003, 10)  # behind it: 1.021
+    clock.finished(1.001, 1.004, 10)  # the first ended early
+    assert clock.free_at == pytest.approx(1.021)  # the second still runs: its prediction stands
+    clock.finished(1.003, 1.006, 10)  # the last launched batch is done: the device is free
+    assert clock.free_at == pytest.approx(1.006)
+    clock.launched(1.0061, 1.007, 10)  # a new batch starts at its own launch, not behind the old prediction
+    assert clock.free_at == pytest.approx(1.007 + clock.device_s)
+
+
 def test_host_bound_when_launching_takes_longer_than_the_device():
     clock = DeviceClock()
     assert not clock.host_bound()  # nothing learned yet
