@@ -168,12 +168,13 @@ class Engine(ABC):
         out = self.forward(x, lengths, h0, c0)
         return out.output, split_block_states(spec, out.h_n, out.c_n)
 
-    def state_pool(self, max_slots: int) -> StatePool:
-        """A pool for the states of up to ``max_slots`` live streams of this model (see :mod:`.state_pool`).
+    def state_pool(self, max_slots: int, initial: int | None = None) -> StatePool:
+        """A pool for the states of up to ``max_slots`` live streams of this model (see :mod:`.state_pool`;
+        ``initial``: slots to start with, default as there).
 
         This default keeps them in host NumPy arrays; the GPU engine keeps them on its device.
         """
-        return StatePool(self.spec, np, np.float32, max_slots)
+        return StatePool(self.spec, np, np.float32, max_slots, initial)
 
     def forward_pooled(self, x: Any, lengths: Any, h0: Any, c0: Any, pooled: PooledRows,
                        states_needed: bool = True) -> EngineOutput:

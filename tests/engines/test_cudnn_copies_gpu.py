@@ -105,7 +105,7 @@ def test_state_slots_refuse_mismatched_arrays(cp):
 
 @pytest.mark.parametrize("blocks", list(MODELS.values()), ids=list(MODELS))
 def test_pooled_chunks_equal_whole_sequences(cp, blocks):
-    """20 streams chunked through the GPU state pool (growing past 16 slots) == float64 reference runs
+    """20 streams chunked through the GPU state pool (growing from 4 slots) == float64 reference runs
     of the whole sequences (outputs, and final states read from the slots); see check_pooled_chunks."""
     from service.engines.cudnn import CudnnEngine
 

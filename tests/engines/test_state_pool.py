@@ -69,6 +69,24 @@ def test_growth_keeps_the_states_it_holds():
     assert pool.capacity == 40  # never past max_slots
 
 
+def test_a_pool_starts_with_room_for_every_stream_when_that_fits_the_presize_budget(monkeypatch):
+    spec = model([("lstm", 3, 2), ("gru", 4, 1)]).spec
+    per = StatePool.slot_bytes(spec, np.float32)
+    assert per == 4 * (2 * (3 + 3) + 1 * 4)  # h and c of 2 LSTM layers, h of a GRU layer, float32
+    pool = StatePool(spec, np, np.float32, max_slots=1000)
+    arrays = [a for pair in pool.arrays for a in pair if a is not None]
+    assert pool.capacity == 1000 and arrays[0].shape == (2, 1000, 3)
+    [pool.acquire() for _ in range(1000)]
+    pool.reserve()  # every stream the model allows: the arrays (and graphs over their addresses) stay put
+    assert all(a is b for a, b in zip(arrays, [a for pair in pool.arrays for a in pair if a is not None]))
+    # past the budget: as many slots as fit in it, at least 16; growth then works as before
+    monkeypatch.setattr("service.engines.state_pool.PRESIZE_BYTES", 100 * per)
+    assert StatePool(spec, np, np.float32, max_slots=1000).capacity == 100
+    assert StatePool(spec, np, np.float32, max_slots=1000, initial=2).capacity == 2
+    monkeypatch.setattr("service.engines.state_pool.PRESIZE_BYTES", 1)
+    assert StatePool(spec, np, np.float32, max_slots=1000).capacity == 16
+
+
 MODELS = {
     "lstm-2-layers": [("lstm", 6, 2)],
     "gru": [("gru", 7, 1)],
@@ -94,7 +112,7 @@ def check_pooled_chunks(engine, oracle, rtol: float, atol: float, seed: int = 3)
     h_start = rng.standard_normal((1, spec.state_layers, spec.state_size)).astype(np.float32) if uniform else None
     c_start = (rng.standard_normal((1, spec.cell_state_layers, spec.cell_state_size)).astype(np.float32)
                if uniform and spec.is_lstm else None)
-    pool = engine.state_pool(n)
+    pool = engine.state_pool(n, initial=4)  # grows while the streams run
     slots = [pool.acquire() for _ in range(n)]
     done = [0] * n
     outs: list[list[np.ndarray]] = [[] for _ in range(n)]

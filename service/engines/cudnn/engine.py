@@ -342,11 +342,11 @@ class CudnnEngine(Engine):
             return None
         return host_rows(self._mapped, xs, t_max, np.dtype(np.float32), self.device_id)
 
-    def state_pool(self, max_slots: int) -> StatePool:
+    def state_pool(self, max_slots: int, initial: int | None = None) -> StatePool:
         """Stream states on this engine's GPU, in its storage dtype (see :mod:`service.engines.state_pool`)."""
         self._ensure_open()
         with self._ctx.device, self._ctx.stream:
-            return StatePool(self.spec, self._cp, self._prec.store, max_slots)
+            return StatePool(self.spec, self._cp, self._prec.store, max_slots, initial)
 
     def forward_pooled(self, x: Any, lengths: Any, h0: Any, c0: Any, pooled: PooledRows,
                        states_needed: bool = True, last_only: bool = False) -> EngineOutput:
