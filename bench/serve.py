@@ -53,6 +53,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -1009,15 +1010,20 @@ def run_streams(job: dict, n: int, clients: int) -> dict:
 
 
 def _stalls(lines: list[str]) -> str:
-    """The started server's warnings among ``lines`` about event-loop stalls and garbage-collection
-    pauses (each delays every request of that process), summed up ("" when none)."""
+    """The started server's logs among ``lines`` about event-loop stalls and garbage-collection pauses
+    (each delays every request of that process) and CUDA graph captures, summed up by kind and by the
+    kind of process that logged them ("" when none). Stalls from 20 ms and pauses from 10 ms are
+    warnings; ``--server-log-level debug`` adds stalls from 5 ms and pauses from 2 ms."""
     found = []
     for what, pattern in (("event-loop stalls", r"blocked for about (\d+) ms"),
                           ("GC pauses", r"paused this process for ([\d.]+) ms"),
                           ("CUDA graph captures", r"captured a CUDA graph for .* in ([\d.]+) ms")):
-        times = [float(m.group(1)) for m in map(re.compile(pattern).search, lines) if m]
-        if times:
-            found.append(f"{len(times)} {what} logged, max {max(times):.0f} ms")
+        hits = [(line, m) for line in lines if (m := re.search(pattern, line))]
+        if not hits:
+            continue
+        roles = Counter(r.group(1) if (r := re.search(r"\[(\w+) \d+\]:", line)) else "server" for line, _ in hits)
+        by_role = ", ".join(f"{role} {n}" for role, n in sorted(roles.items()))
+        found.append(f"{len(hits)} {what} logged ({by_role}), max {max(float(m.group(1)) for _, m in hits):.0f} ms")
     return "; ".join(found)
 
 
@@ -1235,8 +1241,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-grpc-experiments", default=None,
                    help="GRPC_EXPERIMENTS of the started server only, e.g. '' for grpc's defaults (default: the "
                         "load generator's, which is rnnserve's setting unless GRPC_EXPERIMENTS is set)")
-    p.add_argument("--server-log-level", default="warning", choices=["warning", "info"],
-                   help="--log-level of the started server (info: streams rows also count its CUDA graph captures)")
+    p.add_argument("--server-log-level", default="warning", choices=["warning", "info", "debug"],
+                   help="--log-level of the started server (info: streams rows also count its CUDA graph captures; "
+                        "debug: and its event-loop stalls from 5 ms and GC pauses from 2 ms, not only from 20 / 10)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.stream_rpc == "bidi" and args.client != "lean":

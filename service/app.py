@@ -83,9 +83,15 @@ def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     return sock
 
 
-def _free_port(host: str) -> int:
-    with contextlib.closing(_bind(host, 0)) as sock:
-        return sock.getsockname()[1]
+def _free_port(host: str, avoid: int = 0) -> int:
+    """A port that is free on ``host`` now, other than ``avoid``: the port is released before the front-ends
+    bind it, so the next free port asked for may be the same one (HTTP and gRPC would then share a port)."""
+    for _ in range(100):
+        with contextlib.closing(_bind(host, 0)) as sock:
+            port = sock.getsockname()[1]
+        if port != avoid:
+            return port
+    raise RNNServeError(f"could not find a free port on {host} other than {avoid}; set --http-port and --grpc-port")
 
 
 async def _start_grpc(dataplane: DataPlane, settings: ServeSettings) -> tuple[Any, str]:

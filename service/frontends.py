@@ -65,7 +65,7 @@ async def serve_with_frontends(settings: ServeSettings, stop_event: asyncio.Even
     front-end processes until SIGTERM/SIGINT."""
     host_name = settings.host
     http_port = settings.http_port or _free_port(host_name)
-    grpc_port = settings.grpc_port if settings.grpc_port != 0 else _free_port(host_name)
+    grpc_port = settings.grpc_port if settings.grpc_port != 0 else _free_port(host_name, avoid=http_port)
     child_settings = settings.model_dump(mode="json") | {"http_port": http_port, "grpc_port": grpc_port,
                                                          "frontends": 1, "engines": 1}
     folder = tempfile.mkdtemp(prefix="rnnserve-")

@@ -10,6 +10,7 @@ collections walk only what requests allocated.
 Every process also logs a collection that paused it for longer than
 :data:`SLOW_GC_S` (a ``gc.callbacks`` hook): such a pause delays every request the
 process holds at that moment, and shows up as a latency spike nothing else explains.
+At ``--log-level debug`` it logs them from :data:`NOTE_GC_S` on.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import time
 log = logging.getLogger("rnnserve.heap")
 
 SLOW_GC_S = 0.010
+NOTE_GC_S = 0.002  # logged at debug level from here
 
 
 class _PauseLog:
@@ -35,8 +37,13 @@ class _PauseLog:
             return
         paused = time.perf_counter() - self._start
         if paused >= self.threshold_s:
-            log.warning("a garbage collection (generation %d, %d objects freed) paused this process for %.1f ms",
-                        info.get("generation", -1), info.get("collected", 0), 1e3 * paused)
+            level = logging.WARNING
+        elif paused >= NOTE_GC_S and log.isEnabledFor(logging.DEBUG):
+            level = logging.DEBUG
+        else:
+            return
+        log.log(level, "a garbage collection (generation %d, %d objects freed) paused this process for %.1f ms",
+                info.get("generation", -1), info.get("collected", 0), 1e3 * paused)
 
 
 def freeze_heap() -> None:

@@ -32,3 +32,16 @@ def test_a_long_collection_is_logged(caplog):
         gc.callbacks.remove(hook)
     assert any("paused this process" in r.getMessage() for r in caplog.records)
 
+
+
+def test_shorter_collections_are_logged_at_debug_level_only(caplog, monkeypatch):
+    from service import heap
+
+    hook = heap._PauseLog(60.0)  # no collection is a warning
+    monkeypatch.setattr(heap, "NOTE_GC_S", 0.0)  # every collection is worth a debug note
+    for level, expected in (("INFO", []), ("DEBUG", ["DEBUG"])):
+        caplog.clear()
+        with caplog.at_level(level, logger="rnnserve.heap"):
+            hook("start", {})
+            hook("stop", {"generation": 2, "collected": 0})
+        assert [r.levelname for r in caplog.records if "paused this process" in r.getMessage()] == expected

@@ -44,3 +44,20 @@ async def test_a_blocked_event_loop_is_logged(caplog):
         await asyncio.sleep(0.1)
         watch.cancel()
     assert any("event loop was blocked for about" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.asyncio
+async def test_shorter_holds_are_logged_at_debug_level_only(caplog, monkeypatch):
+    import time
+
+    monkeypatch.setattr(eventloop, "NOTE_S", 0.002)
+    for level, expected in (("INFO", []), ("DEBUG", ["DEBUG"])):
+        caplog.clear()
+        with caplog.at_level(level, logger="rnnserve.eventloop"):
+            watch = asyncio.create_task(eventloop.watch_stalls(10.0))  # no hold is a warning
+            await asyncio.sleep(0.01)
+            time.sleep(0.12)  # holds the loop
+            await asyncio.sleep(0.1)
+            watch.cancel()
+        levels = [r.levelname for r in caplog.records if "event loop was blocked for about" in r.getMessage()]
+        assert levels[:1] == expected
