@@ -67,7 +67,7 @@ sys.path.insert(0, str(ROOT))
 # empty for grpc's defaults in both, as the started server inherits it). Imported before any grpc.
 import service.transports.grpc.core_config  # noqa: E402,F401
 
-LINE = re.compile(r"rnnserve: HTTP on ([^:\s]+):(\d+), (?:gRPC on ([^:\s]+):(\d+)|gRPC off)")
+LINE = re.compile(r"rnnserve: HTTP on ([^:\s]+):(\d+), (?:gRPC on ([^:\s]+):(\d{1,5})(?!\d)|gRPC off)")
 HEADER = "Inference-Header-Content-Length"
 # What the started server printed after its start line (warnings: --log-level warning).
 SERVER_LOG: list[str] = []

@@ -83,6 +83,17 @@ def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     return sock
 
 
+def announce(line: str) -> None:
+    """Print ``line`` (the ports line that scripts and tests read) in one write.
+
+    Child processes log to the same stream; ``print`` writes the text and its newline
+    separately when the stream is unbuffered (PYTHONUNBUFFERED), and a child's line landing
+    between them ran a port into a timestamp ("gRPC on 127.0.0.1:449672026-11-23 ...").
+    """
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def _free_port(host: str, avoid: int = 0) -> int:
     """A port that is free on ``host`` now, other than ``avoid``: the port is released before the front-ends
     bind it, so the next free port asked for may be the same one (HTTP and gRPC would then share a port)."""
@@ -193,7 +204,7 @@ async def serve(settings: ServeSettings, dataplane: DataPlane | None = None,
     stop = stop_event or asyncio.Event()
     transports = await Transports.start(dataplane, settings)
     line = f"rnnserve: HTTP on {settings.host}:{transports.http_port}, {transports.grpc_phrase}"
-    print(line, flush=True)
+    announce(line)
     log.info("%s; loading models from %s on device %s", line, settings.repository, settings.device)
 
     install_stop_handlers(stop)

@@ -22,7 +22,7 @@ import tempfile
 from typing import Any
 
 from . import eventloop
-from .app import Transports, _free_port, install_stop_handlers, remove_stop_handlers
+from .app import Transports, _free_port, announce, install_stop_handlers, remove_stop_handlers
 from .children import die_with_parent, run_child, start_children, stop_children, watch_children
 from .dataplane.remote import RemoteDataPlane
 from .dataplane.shards import ShardedDataPlane
@@ -86,7 +86,7 @@ async def serve_with_frontends(settings: ServeSettings, stop_event: asyncio.Even
         await start_children(frontends, started, "a front-end process")
         grpc_phrase = f"gRPC on {host_name}:{grpc_port}" if grpc_port >= 0 else "gRPC off (--grpc-port -1)"
         line = f"rnnserve: HTTP on {host_name}:{http_port}, {grpc_phrase}"
-        print(line, flush=True)
+        announce(line)
         log.info("%s; %d front-end and %d engine processes; loading models from %s on device %s", line,
                  len(frontends), settings.engines, settings.repository, settings.device)
         host.load()

@@ -19,7 +19,7 @@ from typing import Iterator
 
 import numpy as np
 
-LOG_LINE = re.compile(r"rnnserve: HTTP on (?P<host>\S+):(?P<http>\d+), gRPC on (?P<ghost>\S+):(?P<grpc>\d+)")
+LOG_LINE = re.compile(r"rnnserve: HTTP on (?P<host>\S+):(?P<http>\d+), gRPC on (?P<ghost>\S+):(?P<grpc>\d{1,5})(?!\d)")
 TINY_MODEL = "tiny_lstm"
 
 

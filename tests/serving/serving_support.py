@@ -27,7 +27,7 @@ from service.spec import BlockSpec, RNNSpec
 from service.transports.rest import create_rest_app
 
 ROOT = Path(__file__).resolve().parents[2]
-LINE = re.compile(r"rnnserve: HTTP on ([^:\s]+):(\d+), (?:gRPC on ([^:\s]+):(\d+)|gRPC off)")
+LINE = re.compile(r"rnnserve: HTTP on ([^:\s]+):(\d+), (?:gRPC on ([^:\s]+):(\d{1,5})(?!\d)|gRPC off)")
 
 
 def make_model(*blocks: BlockSpec, seed: int = 0) -> PackedModel:

@@ -249,3 +249,24 @@ def test_the_grpc_port_picked_for_front_ends_is_never_the_http_port(monkeypatch)
     monkeypatch.setattr(app, "_bind", lambda host, port: Fake(41000))
     with pytest.raises(app.RNNServeError, match="set --http-port and --grpc-port"):
         app._free_port("127.0.0.1", avoid=41000)
+
+
+def test_the_ports_line_is_one_write_so_child_logs_cannot_split_it(monkeypatch):
+    from service import app
+    from serving_support import LINE
+
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr("sys.stdout", Recorder())
+    app.announce("rnnserve: HTTP on 127.0.0.1:8000, gRPC on 127.0.0.1:8001")
+    assert writes == ["rnnserve: HTTP on 127.0.0.1:8000, gRPC on 127.0.0.1:8001\n"]
+    # and a line that was split anyway (an older server) is not read as a port
+    assert LINE.search("rnnserve: HTTP on 127.0.0.1:8000, gRPC on 127.0.0.1:80012026-11-23 20:27:40 INFO x") is None
+    assert LINE.search("rnnserve: HTTP on 127.0.0.1:8000, gRPC on 127.0.0.1:8001; 2 front-end").group(4) == "8001"
