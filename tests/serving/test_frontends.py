@@ -6,7 +6,6 @@ import os
 import re
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 import urllib.request
 from pathlib import Path
 
@@ -145,13 +144,14 @@ def test_concurrent_requests_coalesced_by_front_ends_equal_their_single_answers(
     with th.InferenceServerClient(http) as hc:
         version = hc.get_model_metadata("lstm")["versions"][-1]
 
-    def one(k: int):
-        names = ("output", "h_n") if k % 2 else ("output_last",)
-        with th.InferenceServerClient(http) as client:  # a connection each: spread over both front-ends
-            return client.infer("lstm", [_http_input(xs[k])], outputs=[th.InferRequestedOutput(n) for n in names])
+    def outputs(k: int) -> list:
+        return [th.InferRequestedOutput(n) for n in (("output", "h_n") if k % 2 else ("output_last",))]
 
-    with ThreadPoolExecutor(32) as pool:
-        results = list(pool.map(one, range(64)))
+    # 32 connections, spread over both front-ends; one client on this thread (clients made on worker threads
+    # were collected on others, where tritonclient's gevent pool refuses to close)
+    with th.InferenceServerClient(http, concurrency=32) as client:
+        pending = [client.async_infer("lstm", [_http_input(xs[k])], outputs=outputs(k)) for k in range(64)]
+        results = [p.get_result() for p in pending]
     engine = create_engine(load_model(repo / "lstm", int(version)), "cpu")
     for k, (x, res) in enumerate(zip(xs, results)):
         want = engine.forward(x)
