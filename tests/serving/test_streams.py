@@ -111,7 +111,11 @@ async def test_a_cancelled_chunk_ends_its_stream_and_every_slot_comes_back(repo)
             assert (await client.post("/v2/models/lstm/infer", json=_chunk(x, k, True))).status_code == 200
         assert pool.in_use == 3
         task = asyncio.create_task(dataplane.infer(_request(x, 1, 0, 2)))
-        await asyncio.sleep(0.02)
+        scheduler = dataplane.registry.serving("lstm").scheduler
+        for _ in range(100):  # until the chunk waits in the batching window (not a fixed sleep: a busy CI host)
+            if scheduler.depth:
+                break
+            await asyncio.sleep(0.001)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -127,15 +131,21 @@ async def test_a_cancelled_chunk_ends_its_stream_and_every_slot_comes_back(repo)
 
 
 async def test_a_chunk_cancelled_while_waiting_its_turn_changes_nothing(repo):
-    # a 50 ms batching window keeps the first chunk running while the next ones wait behind it
-    write_config(repo, "lstm", max_queue_delay_us=50_000)
+    # a 300 ms batching window keeps the first chunk running while the next ones wait behind it (long enough for a
+    # busy CI host: the cancel below must come while the first chunk still holds the stream's turn)
+    write_config(repo, "lstm", max_queue_delay_us=300_000)
     x = np.random.default_rng(5).standard_normal((1, 6, 4)).astype(np.float32)
     engine = create_engine(load_model(repo / "lstm"), "cpu")
     async with rest_client(repo) as (_, dataplane):
+        store = dataplane.registry.serving("lstm").streams
         first = asyncio.create_task(dataplane.infer(_request(x, 31, 0, 2, sequence_start=True)))
         await asyncio.sleep(0.005)
         skipped = asyncio.create_task(dataplane.infer(_request(x, 31, 0, 3)))  # would move the state if it ran
-        await asyncio.sleep(0.005)
+        for _ in range(200):  # until it waits for the stream's turn
+            if any(state.turn._waiters for state in store._streams.values()):
+                break
+            await asyncio.sleep(0.001)
+        assert not first.done(), "the first chunk ended before the second waited behind it: a slower host than planned"
         skipped.cancel()
         last = asyncio.create_task(dataplane.infer(_request(x, 31, 2, 6, sequence_end=True)))
         answers = [await first, await last]
