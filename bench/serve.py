@@ -1013,7 +1013,8 @@ def _stalls(lines: list[str]) -> str:
     """The started server's logs among ``lines`` about event-loop stalls and garbage-collection pauses
     (each delays every request of that process) and CUDA graph captures, summed up by kind and by the
     kind of process that logged them ("" when none). Stalls from 20 ms and pauses from 10 ms are
-    warnings; ``--server-log-level debug`` adds stalls from 5 ms and pauses from 2 ms."""
+    warnings; ``--server-log-level debug`` adds stalls from 5 ms, pauses from 2 ms, and front-ends'
+    messages of 10 ms or more split into their wait in the lane and their round trip to the engine process."""
     found = []
     for what, pattern in (("event-loop stalls", r"blocked for about (\d+) ms"),
                           ("GC pauses", r"paused this process for ([\d.]+) ms"),
@@ -1024,6 +1025,15 @@ def _stalls(lines: list[str]) -> str:
         roles = Counter(r.group(1) if (r := re.search(r"\[(\w+) \d+\]:", line)) else "server" for line, _ in hits)
         by_role = ", ".join(f"{role} {n}" for role, n in sorted(roles.items()))
         found.append(f"{len(hits)} {what} logged ({by_role}), max {max(float(m.group(1)) for _, m in hits):.0f} ms")
+    slow = [m for line in lines if (m := re.search(
+        r"took ([\d.]+) ms in this front-end: ([\d.]+) ms waiting in its lane .* ([\d.]+) ms to the engine", line))]
+    if slow:  # front-ends' messages of 10 ms or more (debug): lane wait vs the engine process's round trip
+        top = max(slow, key=lambda m: float(m.group(1)))
+        lane_s = sum(float(m.group(2)) for m in slow)
+        trip_s = sum(float(m.group(3)) for m in slow)
+        found.append(f"{len(slow)} front-end messages of >= 10 ms logged, in lanes {lane_s:.0f} ms and to the engine "
+                     f"and back {trip_s:.0f} ms in all; slowest {float(top.group(1)):.0f} ms "
+                     f"(lane {float(top.group(2)):.0f}, engine and back {float(top.group(3)):.0f})")
     return "; ".join(found)
 
 

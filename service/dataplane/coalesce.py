@@ -21,6 +21,8 @@ separate requests in the engine process (:class:`ChunkLane`).
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -35,12 +37,21 @@ from .view import ModelView, Prepared
 # (bench/results/h100-2026-11-22b/experiment_lanes_concurrency.log).
 MAX_IN_FLIGHT = 2
 MAX_CHUNKS = 64  # stream chunks per message (ChunkLane)
+# At debug level a message whose requests took this long from their submit to its answer is logged with
+# where the time went: waiting in the lane, or to the engine process and back (its socket, its loop, its
+# batches). The engine process's own request durations start when it decodes a message, so they cannot
+# show either (256 paced streams on some H100 hosts: 1,100-1,800 chunks over 10 ms at the client, 18-200 in
+# the engine process's histogram; bench/results/h100-2026-11-27/).
+SLOW_NOTE_S = 0.010
+
+log = logging.getLogger("rnnserve.dataplane.coalesce")
 
 
 @dataclass(eq=False)
 class _Entry:
     prepared: Prepared
     future: asyncio.Future
+    queued: float  # perf_counter at submit
 
 
 class _Coalescing(ABC):
@@ -61,7 +72,7 @@ class _Coalescing(ABC):
     def submit(self, prepared: Prepared) -> asyncio.Future:
         """Queue one validated request; the future gets its outputs by name (or its error)."""
         loop = asyncio.get_running_loop()
-        entry = _Entry(prepared, loop.create_future())
+        entry = _Entry(prepared, loop.create_future(), time.perf_counter())
         self._waiting.append(entry)
         if not self._scheduled and self._in_flight < MAX_IN_FLIGHT:
             self._scheduled = True
@@ -76,7 +87,17 @@ class _Coalescing(ABC):
                 continue
             self._in_flight += 1
             fut, context = self._send_group(group)
-            fut.add_done_callback(lambda f, g=group, c=context: self._answer(g, c, f))
+            sent = time.perf_counter()
+            fut.add_done_callback(lambda f, g=group, c=context, s=sent: self._answer(g, c, f, s))
+
+    def _note(self, group: list[_Entry], sent: float) -> None:
+        """Log (debug) a message whose oldest request took :data:`SLOW_NOTE_S` or more, and where the time went."""
+        now = time.perf_counter()
+        oldest = min(e.queued for e in group)
+        if now - oldest >= SLOW_NOTE_S:
+            log.debug("a message of %d requests took %.1f ms in this front-end: %.1f ms waiting in its lane "
+                      "(%d messages in flight), %.1f ms to the engine process and back", len(group),
+                      1e3 * (now - oldest), 1e3 * (sent - oldest), self._in_flight, 1e3 * (now - sent))
 
     @abstractmethod
     def _take(self) -> list[_Entry]:
@@ -90,7 +111,9 @@ class _Coalescing(ABC):
     def _outcomes(self, group: list[_Entry], context: Any, value: Any) -> list[tuple[bool, Any]]:
         """(ok, value) per request of a message from its answer ``value``."""
 
-    def _answer(self, group: list[_Entry], context: Any, fut: asyncio.Future) -> None:
+    def _answer(self, group: list[_Entry], context: Any, fut: asyncio.Future, sent: float) -> None:
+        if log.isEnabledFor(logging.DEBUG):
+            self._note(group, sent)
         self._in_flight -= 1
         if self._waiting and not self._scheduled:
             self._scheduled = True

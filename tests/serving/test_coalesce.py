@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -199,3 +201,36 @@ async def test_a_lone_chunk_leaves_alone_and_a_cancelled_chunk_is_not_sent(datap
     outcomes = await asyncio.gather(*futures, return_exceptions=True)
     assert side.messages == [1, 2]
     assert isinstance(outcomes[1], asyncio.CancelledError) and "output_last" in outcomes[2]
+
+
+async def test_a_slow_message_is_logged_at_debug_with_its_lane_wait_and_round_trip(caplog):
+    """At debug level a message of 10 ms or more says where its time went: waiting in the lane for the
+    in-flight limit, or to the engine process and back. Faster messages say nothing."""
+    from service.dataplane.coalesce import ChunkLane, SLOW_NOTE_S
+
+    loop = asyncio.get_running_loop()
+    delays: list[float] = []
+
+    def send(value):  # the engine process's answer after the next delay
+        fut = loop.create_future()
+        loop.call_later(delays.pop(0), fut.set_result, value)
+        return fut
+
+    lane = ChunkLane(lambda p: send({"h_n": p}), lambda ps: send([(True, {"h_n": p}) for p in ps]))
+    with caplog.at_level(logging.DEBUG, logger="rnnserve.dataplane.coalesce"):
+        delays[:] = [0.0]
+        assert await lane.submit("fast") == {"h_n": "fast"}
+        assert not caplog.records
+        # two slow messages fill the in-flight limit; the third request waits in the lane for one of them
+        delays[:] = [2 * SLOW_NOTE_S, 2 * SLOW_NOTE_S, 0.0]
+        futures = []
+        for name in ("a", "b", "c"):
+            futures.append(lane.submit(name))
+            await asyncio.sleep(0)  # "a" and "b" leave as one message each, "c" waits
+        assert [await f for f in futures] == [{"h_n": "a"}, {"h_n": "b"}, {"h_n": "c"}]
+    notes = [r.getMessage() for r in caplog.records]
+    assert len(notes) == 3, notes
+    trips = [float(re.search(r"([\d.]+) ms to the engine process and back", n).group(1)) for n in notes]
+    lanes = [float(re.search(r"([\d.]+) ms waiting in its lane", n).group(1)) for n in notes]
+    assert min(trips[:2]) >= 1e3 * 2 * SLOW_NOTE_S * 0.9  # the slow answers
+    assert lanes[2] >= 1e3 * SLOW_NOTE_S and trips[2] < lanes[2]  # "c": most of its time went to the lane
