@@ -1026,14 +1026,17 @@ def _stalls(lines: list[str]) -> str:
         by_role = ", ".join(f"{role} {n}" for role, n in sorted(roles.items()))
         found.append(f"{len(hits)} {what} logged ({by_role}), max {max(float(m.group(1)) for _, m in hits):.0f} ms")
     slow = [m for line in lines if (m := re.search(
-        r"took ([\d.]+) ms in this front-end: ([\d.]+) ms waiting in its lane .* ([\d.]+) ms to the engine", line))]
+        r"of (\d+) requests took ([\d.]+) ms in this front-end: ([\d.]+) ms waiting in its lane .* ([\d.]+) ms "
+        r"to the engine", line))]
     if slow:  # front-ends' messages of 10 ms or more (debug): lane wait vs the engine process's round trip
-        top = max(slow, key=lambda m: float(m.group(1)))
-        lane_s = sum(float(m.group(2)) for m in slow)
-        trip_s = sum(float(m.group(3)) for m in slow)
-        found.append(f"{len(slow)} front-end messages of >= 10 ms logged, in lanes {lane_s:.0f} ms and to the engine "
-                     f"and back {trip_s:.0f} ms in all; slowest {float(top.group(1)):.0f} ms "
-                     f"(lane {float(top.group(2)):.0f}, engine and back {float(top.group(3)):.0f})")
+        top = max(slow, key=lambda m: float(m.group(2)))
+        lane_s = sum(float(m.group(3)) for m in slow)
+        trip_s = sum(float(m.group(4)) for m in slow)
+        requests = sum(int(m.group(1)) for m in slow)
+        found.append(f"{len(slow)} front-end messages of >= 10 ms logged ({requests} requests), in lanes "
+                     f"{lane_s:.0f} ms and to the engine "
+                     f"and back {trip_s:.0f} ms in all; slowest {float(top.group(2)):.0f} ms "
+                     f"(lane {float(top.group(3)):.0f}, engine and back {float(top.group(4)):.0f})")
     return "; ".join(found)
 
 
