@@ -1013,12 +1013,15 @@ def _stalls(lines: list[str]) -> str:
     """The started server's logs among ``lines`` about event-loop stalls and garbage-collection pauses
     (each delays every request of that process) and CUDA graph captures, summed up by kind and by the
     kind of process that logged them ("" when none). Stalls from 20 ms and pauses from 10 ms are
-    warnings; ``--server-log-level debug`` adds stalls from 5 ms, pauses from 2 ms, and front-ends'
-    messages of 10 ms or more split into their wait in the lane and their round trip to the engine process."""
+    warnings; ``--server-log-level debug`` adds stalls from 5 ms, pauses from 2 ms, front-ends' messages of
+    10 ms or more split into their wait in the lane and their round trip to the engine process, and the
+    engine process's messages of 10 ms or more from its read to its answer."""
     found = []
     for what, pattern in (("event-loop stalls", r"blocked for about (\d+) ms"),
                           ("GC pauses", r"paused this process for ([\d.]+) ms"),
-                          ("CUDA graph captures", r"captured a CUDA graph for .* in ([\d.]+) ms")):
+                          ("CUDA graph captures", r"captured a CUDA graph for .* in ([\d.]+) ms"),
+                          ("engine-process messages of >= 10 ms from read to answer",
+                           r"took ([\d.]+) ms in the engine process from its read")):
         hits = [(line, m) for line in lines if (m := re.search(pattern, line))]
         if not hits:
             continue

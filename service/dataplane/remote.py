@@ -33,6 +33,7 @@ import itertools
 import logging
 import pickle
 import struct
+import time
 from functools import partial
 from typing import Any, Callable
 
@@ -44,6 +45,10 @@ from .types import InferRequest, InferResponse
 from .view import ModelView, prepare, respond
 
 log = logging.getLogger("rnnserve.dataplane.remote")
+# At debug level the engine process logs a front-end message that took this long from its read to its answer:
+# with a front-end's own note (service.dataplane.coalesce.SLOW_NOTE_S) it tells a slow round trip spent here
+# (a message's reply waits for its slowest request's batch) from one spent between the processes.
+SLOW_NOTE_S = 0.010
 _LENGTH = struct.Struct("<Q")
 ASYNC_METHODS = frozenset({"infer", "load_model", "unload_model", "live", "ready", "server_metadata", "model_metadata",
                            "model_ready", "repository_index", "render_metrics"})
@@ -132,6 +137,15 @@ def _outcome(fut: asyncio.Future) -> tuple[bool, Any]:
     return True, {name: wire(a) for name, a in fut.result().items()}
 
 
+def _note(requests: int, read: float) -> None:
+    """Log (debug) a front-end message answered :data:`SLOW_NOTE_S` or more after it was read."""
+    if log.isEnabledFor(logging.DEBUG):
+        took = time.perf_counter() - read
+        if took >= SLOW_NOTE_S:
+            log.debug("a front-end message of %d requests took %.1f ms in the engine process from its read to its "
+                      "answer", requests, 1e3 * took)
+
+
 def _portable(exc: BaseException) -> RNNServeError:
     if isinstance(exc, RNNServeError):
         return exc
@@ -209,11 +223,12 @@ class DataPlaneServer:
             conn.send((msg_id, False, _portable(exc)))
             return
         self._tasks.add(fut)
-        fut.add_done_callback(partial(self._answer, conn, msg_id))
+        fut.add_done_callback(partial(self._answer, conn, msg_id, time.perf_counter()))
 
-    def _answer(self, conn: FrameConnection, msg_id: int, fut: asyncio.Future) -> None:
+    def _answer(self, conn: FrameConnection, msg_id: int, read: float, fut: asyncio.Future) -> None:
         self._tasks.discard(fut)
         conn.send((msg_id, *_outcome(fut)))
+        _note(1, read)
 
     def _submit_many(self, conn: FrameConnection, msg_id: int, args: tuple) -> None:
         """Several works of one model (a front-end's ChunkLane): each runs and fails on its own; one reply
@@ -221,6 +236,7 @@ class DataPlaneServer:
         name, version, generation, items = args
         outcomes: list[tuple[bool, Any] | None] = [None] * len(items)
         left = len(items)
+        read = time.perf_counter()
 
         def settle(i: int, fut: asyncio.Future | None = None, exc: Exception | None = None) -> None:
             nonlocal left
@@ -230,6 +246,7 @@ class DataPlaneServer:
             left -= 1
             if not left:
                 conn.send((msg_id, True, outcomes))
+                _note(len(items), read)
 
         for i, prepared in enumerate(items):
             try:

@@ -234,3 +234,40 @@ async def test_a_slow_message_is_logged_at_debug_with_its_lane_wait_and_round_tr
     lanes = [float(re.search(r"([\d.]+) ms waiting in its lane", n).group(1)) for n in notes]
     assert min(trips[:2]) >= 1e3 * 2 * SLOW_NOTE_S * 0.9  # the slow answers
     assert lanes[2] >= 1e3 * SLOW_NOTE_S and trips[2] < lanes[2]  # "c": most of its time went to the lane
+
+
+async def test_the_engine_process_logs_a_slow_message_at_debug_from_its_read_to_its_answer(caplog):
+    """The engine process's side of the note: a message answered 10 ms or more after its read is logged
+    (one request or many), a fast one is not."""
+    from service.dataplane import remote
+
+    loop = asyncio.get_running_loop()
+
+    class SlowDataPlane:  # answers each request after its delay
+        delays: list[float] = []
+
+        def submit_prepared(self, name, version, generation, prepared):
+            fut = loop.create_future()
+            loop.call_later(self.delays.pop(0), fut.set_result, {"h_n": np.zeros(1, np.float32)})
+            return fut
+
+    server = remote.DataPlaneServer(SlowDataPlane(), "unused")
+    replies: list = []
+
+    class Conn:
+        @staticmethod
+        def send(reply) -> None:
+            replies.append(reply)
+
+    with caplog.at_level(logging.DEBUG, logger="rnnserve.dataplane.remote"):
+        SlowDataPlane.delays[:] = [0.0, 2 * remote.SLOW_NOTE_S, 0.0, 2 * remote.SLOW_NOTE_S]
+        server._submit(Conn, 1, ("m", "", 0, "fast"))
+        server._submit(Conn, 2, ("m", "", 0, "slow"))
+        server._submit_many(Conn, 3, ("m", "", 0, ["fast", "slow"]))  # answered when its slowest is
+        while len(replies) < 3:
+            await asyncio.sleep(0.005)
+    notes = [r.getMessage() for r in caplog.records]
+    assert [n.split(" took")[0] for n in notes] == ["a front-end message of 1 requests",
+                                                     "a front-end message of 2 requests"], notes
+    assert all(float(re.search(r"took ([\d.]+) ms", n).group(1)) >= 1e3 * 2 * remote.SLOW_NOTE_S * 0.9 for n in notes)
+    assert [r[0] for r in replies] == [1, 2, 3]
