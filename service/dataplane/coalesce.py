@@ -41,7 +41,8 @@ MAX_CHUNKS = 64  # stream chunks per message (ChunkLane)
 # where the time went: waiting in the lane, or to the engine process and back (its socket, its loop, its
 # batches). The engine process's own request durations start when it decodes a message, so they cannot
 # show either (256 paced streams on some H100 hosts: 720-1,800 chunks over 10 ms at the client, 18-640 in
-# the engine process's histogram; bench/results/h100-2026-11-27/).
+# the engine process's histogram; bench/results/h100-2026-11-27/). The engine process logs its own side of a
+# message (read to answer) from the same threshold (service.dataplane.remote).
 SLOW_NOTE_S = 0.010
 
 log = logging.getLogger("rnnserve.dataplane.coalesce")

@@ -40,15 +40,11 @@ from typing import Any, Callable
 from ..errors import NotFound, RNNServeError, StaleModelView, Unavailable
 from ..wire import placing, wire
 from . import arena as arenas
-from .coalesce import ChunkLane, Lane
+from .coalesce import SLOW_NOTE_S, ChunkLane, Lane
 from .types import InferRequest, InferResponse
 from .view import ModelView, prepare, respond
 
 log = logging.getLogger("rnnserve.dataplane.remote")
-# At debug level the engine process logs a front-end message that took this long from its read to its answer:
-# with a front-end's own note (service.dataplane.coalesce.SLOW_NOTE_S) it tells a slow round trip spent here
-# (a message's reply waits for its slowest request's batch) from one spent between the processes.
-SLOW_NOTE_S = 0.010
 _LENGTH = struct.Struct("<Q")
 ASYNC_METHODS = frozenset({"infer", "load_model", "unload_model", "live", "ready", "server_metadata", "model_metadata",
                            "model_ready", "repository_index", "render_metrics"})
@@ -138,7 +134,9 @@ def _outcome(fut: asyncio.Future) -> tuple[bool, Any]:
 
 
 def _note(requests: int, read: float) -> None:
-    """Log (debug) a front-end message answered :data:`SLOW_NOTE_S` or more after it was read."""
+    """Log (debug) a front-end message answered ``SLOW_NOTE_S`` or more after it was read: with the front-end's
+    own note (:mod:`.coalesce`) it tells a slow round trip spent here (a message's reply waits for its
+    slowest request's batch) from one spent between the processes."""
     if log.isEnabledFor(logging.DEBUG):
         took = time.perf_counter() - read
         if took >= SLOW_NOTE_S:
@@ -223,12 +221,13 @@ class DataPlaneServer:
             conn.send((msg_id, False, _portable(exc)))
             return
         self._tasks.add(fut)
-        fut.add_done_callback(partial(self._answer, conn, msg_id, time.perf_counter()))
+        requests = getattr(args[-1], "requests", 1)  # a front-end's merged requests travel as one Prepared
+        fut.add_done_callback(partial(self._answer, conn, msg_id, requests, time.perf_counter()))
 
-    def _answer(self, conn: FrameConnection, msg_id: int, read: float, fut: asyncio.Future) -> None:
+    def _answer(self, conn: FrameConnection, msg_id: int, requests: int, read: float, fut: asyncio.Future) -> None:
         self._tasks.discard(fut)
         conn.send((msg_id, *_outcome(fut)))
-        _note(1, read)
+        _note(requests, read)
 
     def _submit_many(self, conn: FrameConnection, msg_id: int, args: tuple) -> None:
         """Several works of one model (a front-end's ChunkLane): each runs and fails on its own; one reply

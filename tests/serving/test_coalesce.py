@@ -260,14 +260,16 @@ async def test_the_engine_process_logs_a_slow_message_at_debug_from_its_read_to_
             replies.append(reply)
 
     with caplog.at_level(logging.DEBUG, logger="rnnserve.dataplane.remote"):
-        SlowDataPlane.delays[:] = [0.0, 2 * remote.SLOW_NOTE_S, 0.0, 2 * remote.SLOW_NOTE_S]
+        SlowDataPlane.delays[:] = [0.0, 2 * remote.SLOW_NOTE_S, 0.0, 2 * remote.SLOW_NOTE_S, 3 * remote.SLOW_NOTE_S]
         server._submit(Conn, 1, ("m", "", 0, "fast"))
         server._submit(Conn, 2, ("m", "", 0, "slow"))
         server._submit_many(Conn, 3, ("m", "", 0, ["fast", "slow"]))  # answered when its slowest is
-        while len(replies) < 3:
+        server._submit(Conn, 4, ("m", "", 0, Prepared(None, None, None, 3)))  # a front-end's 3 merged requests
+        while len(replies) < 4:
             await asyncio.sleep(0.005)
     notes = [r.getMessage() for r in caplog.records]
     assert [n.split(" took")[0] for n in notes] == ["a front-end message of 1 requests",
-                                                     "a front-end message of 2 requests"], notes
+                                                     "a front-end message of 2 requests",
+                                                     "a front-end message of 3 requests"], notes
     assert all(float(re.search(r"took ([\d.]+) ms", n).group(1)) >= 1e3 * 2 * remote.SLOW_NOTE_S * 0.9 for n in notes)
-    assert [r[0] for r in replies] == [1, 2, 3]
+    assert [r[0] for r in replies] == [1, 2, 3, 4]
