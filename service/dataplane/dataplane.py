@@ -18,14 +18,16 @@ from ..metrics import ServerMetrics, observe_many
 from ..registry import ModelRegistry, ModelState, ServedVersion
 from ..scheduler import SequenceWork
 from ..scheduler.streams import StreamState
+from .model_config import triton_model_config
 from .signature import ModelSignature
+from .statistics import version_statistics
 from .types import InferRequest, InferResponse
 from .validation import StreamRequest
 from .view import ModelView, Prepared, prepare, respond
 
 log = logging.getLogger("rnnserve.dataplane")
 
-EXTENSIONS = ["binary_tensor_data", "model_repository", "sequence"]
+EXTENSIONS = ["binary_tensor_data", "model_repository", "sequence", "model_configuration", "statistics"]
 
 
 class DataPlane:
@@ -85,6 +87,22 @@ class DataPlane:
             "inputs": [t.to_dict() for t in sig.inputs],
             "outputs": [t.to_dict() for t in sig.outputs],
         }
+
+    async def model_config(self, name: str, version: str = "") -> dict:
+        """Triton's configuration of the version serving ``name``/``version`` (see :mod:`.model_config`)."""
+        served = self.registry.serving(name, version)
+        return triton_model_config(served, self._signature(served.model.spec))
+
+    async def model_statistics(self, name: str = "", version: str = "") -> list[dict]:
+        """Triton's statistics of every ready version (no ``name``), of a model's ready versions (no
+        ``version``), or of one version (see :mod:`.statistics`)."""
+        if version:
+            versions = [self.registry.serving(name, version)]
+        else:
+            entries = [self.registry.entry(n) for n in ([name] if name else self.registry.names())]
+            versions = [sv for entry in entries for _, sv in sorted(entry.versions.items())
+                        if sv.state == ModelState.READY]
+        return [version_statistics(self.metrics, sv.name, sv.label) for sv in versions]
 
     async def model_ready(self, name: str, version: str = "") -> bool:
         try:
@@ -159,14 +177,18 @@ class DataPlane:
         if fut.cancelled():  # the client went away; nothing was answered
             return
         exc = fut.exception()
+        elapsed = time.perf_counter() - start
         if exc is None:
             self._count(model, version, "success", requests)
-            observe_many(self._bound("duration", model, version), time.perf_counter() - start, requests)
-        elif isinstance(exc, RNNServeError):
+            observe_many(self._bound("duration", model, version), elapsed, requests)
+            self._bound("last", model, version).set(time.time())
+            return
+        if isinstance(exc, RNNServeError):
             self._count(model, version, exc.status.lower(), requests)
         else:
             log.error("request to model %s failed", model, exc_info=exc)
             self._count(model, version, "internal", requests)
+        self._bound("failed", model, version).inc(elapsed * requests)
 
     def _count_refused(self, name: str, served: ServedVersion | None, exc: RNNServeError, requests: int = 1) -> None:
         """Count ``requests`` refused before they were queued (unknown names under model "")."""
@@ -270,6 +292,10 @@ class DataPlane:
                 series = self.metrics.requests.labels(model=model, version=version, outcome=outcome)
             elif kind == "chunk_steps":
                 series = self.metrics.stream_chunk_timesteps.labels(model=model, version=version)
+            elif kind == "last":
+                series = self.metrics.last_inference.labels(model=model, version=version)
+            elif kind == "failed":
+                series = self.metrics.failed_request_duration.labels(model=model, version=version)
             else:
                 series = self.metrics.request_duration.labels(model=model, version=version)
             self._series[key] = series

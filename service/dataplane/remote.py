@@ -47,7 +47,7 @@ from .view import ModelView, prepare, respond
 log = logging.getLogger("rnnserve.dataplane.remote")
 _LENGTH = struct.Struct("<Q")
 ASYNC_METHODS = frozenset({"infer", "load_model", "unload_model", "live", "ready", "server_metadata", "model_metadata",
-                           "model_ready", "repository_index", "render_metrics"})
+                           "model_ready", "repository_index", "render_metrics", "model_config", "model_statistics"})
 SYNC_METHODS = frozenset({"model_view"})
 
 
@@ -380,6 +380,12 @@ class RemoteDataPlane:
 
     async def model_ready(self, name: str, version: str = "") -> bool:
         return await self._call("model_ready", name, version)
+
+    async def model_config(self, name: str, version: str = "") -> dict:
+        return await self._call("model_config", name, version)
+
+    async def model_statistics(self, name: str = "", version: str = "") -> list[dict]:
+        return await self._call("model_statistics", name, version)
 
     async def repository_index(self, ready_only: bool = False) -> list[dict]:
         return await self._call("repository_index", ready_only)

@@ -14,7 +14,9 @@ own, like Triton's ``instance_group`` count, and each front-end holds one
   (unknown, expired, second start) are therefore exactly those of one engine process;
 - load and unload go to every engine process; health, readiness and the repository
   index combine theirs (ready when ready in all; a version not READY in one process is
-  shown with that process's state and reason); metadata comes from the first;
+  shown with that process's state and reason); metadata and configuration come from the
+  first (the configuration counts one instance per engine process);
+- statistics add up (:func:`~.statistics.merge_statistics`);
 - ``/metrics`` adds their expositions up (:mod:`service.metrics.merge`).
 
 Limits (``max_queue_size``, ``max_streams``) are each engine process's own.
@@ -28,6 +30,7 @@ from typing import Any, Sequence
 from ..errors import InvalidInput
 from ..metrics.merge import merge_expositions
 from .remote import RemoteDataPlane
+from .statistics import merge_statistics
 from .types import InferRequest, InferResponse
 from .validation import stream_request
 
@@ -120,6 +123,18 @@ class ShardedDataPlane:
 
     async def model_ready(self, name: str, version: str = "") -> bool:
         return all(await asyncio.gather(*(shard.model_ready(name, version) for shard in self.shards)))
+
+    async def model_config(self, name: str, version: str = "") -> dict:
+        """The first engine process's, with one instance per engine process."""
+        config = await self.shards[0].model_config(name, version)
+        for group in config["instance_group"]:
+            group["count"] = len(self.shards)
+        return config
+
+    async def model_statistics(self, name: str = "", version: str = "") -> list[dict]:
+        """Every engine process's statistics, added up (:func:`~.statistics.merge_statistics`)."""
+        return merge_statistics(await asyncio.gather(*(shard.model_statistics(name, version)
+                                                       for shard in self.shards)))
 
     async def repository_index(self, ready_only: bool = False) -> list[dict]:
         rows = merge_indexes(await asyncio.gather(*(shard.repository_index(False) for shard in self.shards)))

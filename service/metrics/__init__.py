@@ -57,12 +57,23 @@ class ServerMetrics:
         self.request_duration = Histogram(
             "rnnserve_request_duration_seconds", "Time from request decoded to response ready (successful requests).",
             MV, buckets=_LATENCY_BUCKETS, registry=r)
+        self.failed_request_duration = Counter(
+            "rnnserve_failed_request_duration_seconds", "Time from request decoded to error answered, summed over "
+            "failed requests that reached a scheduler (refusals before it take no measurable time).", MV, registry=r)
+        self.last_inference = Gauge(
+            "rnnserve_last_inference_timestamp_seconds", "Unix time of the last successful request.", MV,
+            registry=r)
         self.queue_duration = Histogram(
             "rnnserve_queue_duration_seconds", "Time a request waited in the scheduler before its batch ran.",
             MV, buckets=_LATENCY_BUCKETS, registry=r)
         self.compute_duration = Histogram(
             "rnnserve_compute_duration_seconds", "Engine time per batch, including merge and split.",
             MV, buckets=_LATENCY_BUCKETS, registry=r)
+        self.computed_requests = Counter(
+            "rnnserve_computed_requests", "Requests whose batch ran to completion.", MV, registry=r)
+        self.request_compute = Counter(
+            "rnnserve_request_compute_seconds", "Engine time of each request's batch, summed over those requests "
+            "(divided by rnnserve_computed_requests_total: the mean compute time a request saw).", MV, registry=r)
         self.batch_size = Histogram(
             "rnnserve_batch_size", "Sequences per engine call.", MV, buckets=_BATCH_BUCKETS, registry=r)
         self.batch_timesteps = Histogram(

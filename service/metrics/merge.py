@@ -6,7 +6,8 @@ the front-end adds the processes' samples up: counters, histogram buckets, sums 
 counts, queue depths, live streams and device memory add. Two kinds of gauge state
 something every process holds for itself and take the smallest value instead: a
 model is ready (``rnnserve_model_ready`` 1) only when it is ready in every process,
-and a series was created (``*_created``) when the first process created it.
+and a series was created (``*_created``) when the first process created it. The last
+inference (``rnnserve_last_inference_timestamp_seconds``) is the latest of any process.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 _SMALLEST = frozenset({"rnnserve_model_ready", "rnnserve_model_engine"})
+_LARGEST = frozenset({"rnnserve_last_inference_timestamp_seconds"})
 
 
 class _Merged:
@@ -39,6 +41,7 @@ def merge_expositions(texts: list[bytes]) -> bytes:
                 families[family.name] = Metric(family.name, family.documentation, family.type)
                 values[family.name] = {}
             smallest = family.name in _SMALLEST or family.name.endswith("_created")
+            largest = family.name in _LARGEST
             series = values[family.name]
             for sample in family.samples:
                 key = (sample.name, tuple(sorted(sample.labels.items())))
@@ -46,7 +49,8 @@ def merge_expositions(texts: list[bytes]) -> bytes:
                 if seen is None:
                     series[key] = sample.value
                 else:
-                    series[key] = min(seen, sample.value) if smallest else seen + sample.value
+                    series[key] = (min(seen, sample.value) if smallest else max(seen, sample.value) if largest
+                                   else seen + sample.value)
     for name, family in families.items():
         for (sample_name, labels), value in values[name].items():
             family.add_sample(sample_name, dict(labels), value)

@@ -122,7 +122,8 @@ class Scheduler:
         self._series = None if metrics is None else SimpleNamespace(**{
             name: getattr(metrics, name).labels(**self._labels)
             for name in ("batch_failures", "compute_duration", "batch_size", "batch_timesteps",
-                         "computed_timesteps", "useful_timesteps", "queue_duration", "queue_depth")})
+                         "computed_timesteps", "useful_timesteps", "queue_duration", "queue_depth",
+                         "computed_requests", "request_compute")})
 
     @property
     def depth(self) -> int:
@@ -409,8 +410,12 @@ class Scheduler:
             m.batch_timesteps.observe(merged.x.shape[1])
             m.computed_timesteps.inc(merged.computed_steps)
             m.useful_timesteps.inc(merged.useful_steps)
+            requests = 0
             for item in batch:
                 observe_many(m.queue_duration, item.queue_seconds, item.requests)
+                requests += item.requests
+            m.computed_requests.inc(requests)
+            m.request_compute.inc(elapsed * requests)
         for item, result in zip(batch, results):
             if not item.future.done():
                 item.future.set_result(result)

@@ -264,3 +264,29 @@ def test_stream_chunks_with_bad_parameters_are_not_streams():
     assert stream_shard({}, 3) is None
     assert stream_shard({"sequence_start": True}, 3) is None  # invalid: any process answers the error
     assert stream_shard({"sequence_id": "abc"}, 3) == stream_shard({"sequence_id": "abc", "sequence_end": True}, 3)
+
+
+@pytest.mark.asyncio
+async def test_statistics_of_every_engine_process_add_up_and_the_config_counts_one_instance_each(two_engines):
+    _, planes, sharded = two_engines
+    x = np.ones((2, 5, 4), np.float32)
+    await asyncio.gather(*(sharded.infer(_request(x)) for _ in range(9)))
+    (stats,) = await sharded.model_statistics("lstm")
+    per_process = [(await p.model_statistics("lstm"))[0] for p in planes]
+    assert stats["inference_stats"]["success"]["count"] == 9
+    assert [s["inference_stats"]["success"]["count"] for s in per_process] != [9, 0]  # both processes served
+    assert stats["inference_count"] == 18  # two sequences a request
+    assert stats["execution_count"] == sum(s["execution_count"] for s in per_process)
+    assert stats["inference_stats"]["queue"]["ns"] == sum(s["inference_stats"]["queue"]["ns"] for s in per_process)
+    assert stats["last_inference"] == max(s["last_inference"] for s in per_process)
+    config = await sharded.model_config("lstm")
+    assert config["instance_group"] == [{"name": "lstm", "kind": "KIND_CPU", "count": 2}]
+
+
+def test_merged_exposition_keeps_the_latest_last_inference():
+    a, b = ServerMetrics(), ServerMetrics()
+    a.last_inference.labels("m", "1").set(1_700_000_000.5)
+    b.last_inference.labels("m", "1").set(1_700_000_002.25)
+    samples = {s.name: s.value for f in text_string_to_metric_families(merge_expositions([a.render(), b.render()])
+                                                                        .decode()) for s in f.samples}
+    assert samples["rnnserve_last_inference_timestamp_seconds"] == 1_700_000_002.25

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator
 
+from google.protobuf import json_format
+
 from ...errors import InvalidInput
 from .codec import decode_parameters, decode_request, encode_response
 from .generated import inference_pb2 as pb
@@ -71,6 +73,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             inputs=tensors(meta.get("inputs", [])),
             outputs=tensors(meta.get("outputs", [])),
         )
+
+    async def ModelConfig(self, request, context):
+        config = await self._dataplane.model_config(request.name, request.version)
+        return pb.ModelConfigResponse(config=json_format.ParseDict(config, pb.ModelConfig()))
+
+    async def ModelStatistics(self, request, context):
+        stats = await self._dataplane.model_statistics(request.name, request.version)
+        return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
 
     async def ModelInfer(self, request, context):
         response = await self._dataplane.infer(decode_request(request))

@@ -87,6 +87,19 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
     async def server_metadata() -> dict:
         return await dataplane.server_metadata()
 
+    # before /v2/models/{model}, which would take "stats" for a model's name
+    @app.get("/v2/models/stats", tags=["statistics"], summary="Statistics of every ready model version (Triton)")
+    @app.get("/v2/models/{model}/stats", tags=["statistics"], summary="Statistics of a model's ready versions")
+    @app.get("/v2/models/{model}/versions/{version}/stats", tags=["statistics"], summary="Model version statistics")
+    async def model_statistics(model: str = "", version: str = "") -> dict:
+        return {"model_stats": await dataplane.model_statistics(model, version)}
+
+    @app.get("/v2/models/{model}/config", tags=["metadata"], summary="Model configuration (Triton's form)")
+    @app.get("/v2/models/{model}/versions/{version}/config", tags=["metadata"],
+             summary="Model version configuration (Triton's form)")
+    async def model_config(model: str, version: str = "") -> dict:
+        return await dataplane.model_config(model, version)
+
     @app.get("/v2/models/{model}", tags=["metadata"], summary="Model metadata (latest ready version)")
     @app.get("/v2/models/{model}/versions/{version}", tags=["metadata"], summary="Model metadata")
     async def model_metadata(model: str, version: str = "") -> dict:
