@@ -452,9 +452,11 @@ def test_unexpected_error_outside_infer_is_internal(client, fresh):
 
 
 def test_rpcs_we_do_not_serve_are_unimplemented(client):
-    with pytest.raises(InferenceServerException) as info:
-        client.get_model_config("double", client_timeout=5)
-    assert info.value.status() == "StatusCode.UNIMPLEMENTED"
+    for call in (client.get_system_shared_memory_status, client.get_cuda_shared_memory_status,
+                 client.get_trace_settings, client.get_log_settings):
+        with pytest.raises(InferenceServerException) as info:
+            call(client_timeout=5)
+        assert info.value.status() == "StatusCode.UNIMPLEMENTED", call.__name__
 
 
 def test_message_size_limit():
