@@ -11,15 +11,35 @@ with T drawn from ``--min-len``..``--max-len``. perf_analyzer cycles through the
     perf_analyzer -m forecaster --input-data /tmp/forecaster.json --concurrency-range 1:64:x2 [-i grpc -u localhost:8001]
 
 Optional inputs without data (``h_0``, ``c_0``) are not sent. Standard library only.
+:func:`perf_analyzer_env` finds perf_analyzer and the CUDA 12 runtime library it links.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
 import sys
 import urllib.request
 from pathlib import Path
+
+
+def perf_analyzer_env() -> tuple[str, dict[str, str]]:
+    """perf_analyzer's path and an environment in which it finds CUDA 12's runtime library."""
+    exe = shutil.which("perf_analyzer", path=os.pathsep.join([str(Path(sys.executable).parent),
+                                                              os.environ.get("PATH", "")]))
+    if exe is None:
+        raise FileNotFoundError("perf_analyzer not found: pip install tritonclient")
+    env = dict(os.environ)
+    try:
+        import nvidia.cuda_runtime
+
+        lib = str(Path(nvidia.cuda_runtime.__path__[0]) / "lib")
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (lib, env.get("LD_LIBRARY_PATH")) if p)
+    except ImportError:
+        pass
+    return exe, env
 
 
 def model_input_size(url: str, model: str) -> int:

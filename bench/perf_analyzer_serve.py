@@ -31,23 +31,6 @@ import perf_analyzer_data  # noqa: E402
 import serve  # noqa: E402
 
 
-def perf_analyzer_env() -> tuple[str, dict[str, str]]:
-    """perf_analyzer's path and an environment in which it finds CUDA 12's runtime library."""
-    exe = shutil.which("perf_analyzer", path=os.pathsep.join([str(Path(sys.executable).parent),
-                                                              os.environ.get("PATH", "")]))
-    if exe is None:
-        raise SystemExit("perf_analyzer not found: pip install tritonclient")
-    env = dict(os.environ)
-    try:
-        import nvidia.cuda_runtime
-
-        lib = str(Path(nvidia.cuda_runtime.__path__[0]) / "lib")
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (lib, env.get("LD_LIBRARY_PATH")) if p)
-    except ImportError:
-        pass
-    return exe, env
-
-
 def run_cell(exe: str, env: dict[str, str], model: str, url: str, protocol: str, concurrency: int,
              data: Path, window_ms: int, out_csv: Path) -> dict[str, float]:
     """One perf_analyzer measurement; its CSV row (latencies in µs) as floats."""
@@ -76,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--protocols", type=lambda s: s.split(","), default=["http", "grpc"])
     p.add_argument("--window-ms", type=int, default=2000, help="perf_analyzer's measurement window (default 2000)")
     args = p.parse_args(argv)
-    exe, env = perf_analyzer_env()
+    exe, env = perf_analyzer_data.perf_analyzer_env()
     work = Path(tempfile.mkdtemp(prefix="rnnserve-pa-"))
     repo = work / "models"
     serve.write_repository(repo, args.features, args.hidden, args.layers)

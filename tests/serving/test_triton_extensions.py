@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -145,18 +144,10 @@ def test_tritonclient_reads_config_and_statistics_over_http_and_grpc(server_proc
 
 def _perf_analyzer() -> tuple[str, dict[str, str]] | None:
     """perf_analyzer's path and environment, or None (with the reason in pytest's skip) when it cannot start."""
-    exe = shutil.which("perf_analyzer", path=os.pathsep.join([str(Path(sys.executable).parent),
-                                                              os.environ.get("PATH", "")]))
-    if exe is None:
-        pytest.skip("perf_analyzer is not installed (it comes with the tritonclient wheel)")
-    env = dict(os.environ)
-    try:  # perf_analyzer links CUDA's runtime library, also on a machine without a GPU
-        import nvidia.cuda_runtime
-
-        lib = str(Path(nvidia.cuda_runtime.__path__[0]) / "lib")
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (lib, env.get("LD_LIBRARY_PATH")) if p)
-    except ImportError:
-        pass
+    try:
+        exe, env = perf_analyzer_data.perf_analyzer_env()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
     probe = subprocess.run([exe, "--version"], capture_output=True, text=True, env=env, timeout=30)
     if "error while loading shared libraries" in probe.stderr:
         pytest.skip(f"perf_analyzer cannot start here: {probe.stderr.strip()} "
