@@ -182,3 +182,71 @@ def test_group_runs_its_own_length_with_that_lengths_algorithm():
     by_len = {g.steps: g for g in groups}
     if len(groups) > 1:
         assert isinstance(by_len[10], Group) and by_len[10].algos == (1,) and by_len[200].algos == (0,)
+
+
+# -- host lines: graphs replay equal-length calls, ragged ones pay their launches ----------------------
+
+def _standard_only_table(host_ms: float | None, graphs: bool, buckets=(1, 2, 4, 8, 16, 32)) -> AlgoTable:
+    """Shaped like the H100's 2-layer LSTM H=256: every bucket chose STANDARD (timed as graph replays, ~1.5 ms
+    at 200 steps), whose uncaptured launches take ``host_ms`` at 50 steps (x4 at 200)."""
+    per = []
+    for b in buckets:
+        std = Trial(0, time_ms=0.4 + 0.005 * b, long_ms=1.5 + 0.01 * b,
+                    host_ms=host_ms, long_host_ms=None if host_ms is None else 4 * host_ms)
+        pst = Trial(1, time_ms=2.0 + b, long_ms=8.0 + 4 * b)  # persistent kernels lose at every bucket
+        per.append(choose(b, {0: std, 1: pst}))
+    return AlgoTable(tuple(buckets), [per, per], steps=50, long_steps=200, graphs=graphs)
+
+
+def test_trial_launch_line_and_call_cost():
+    t = Trial(0, time_ms=0.4, long_ms=1.5, host_ms=1.3, long_host_ms=5.2)
+    assert t.launch_ms(200, 50, 200) == pytest.approx(5.2) and t.launch_ms(100, 50, 200) == pytest.approx(2.6)
+    assert Trial(0, time_ms=0.4).launch_ms(200, 50, 200) == 0.0  # not measured
+    table = _standard_only_table(1.3, graphs=True)
+    gpu = 2 * (1.5 + 0.01 * 32)
+    assert table.call_ms((0, 0), 20, 200, captured=True) == pytest.approx(gpu)
+    assert table.call_ms((0, 0), 20, 200, captured=False) == pytest.approx(2 * 5.2)  # launch-bound
+    assert table.launch_ms(0, 0, 500, 200) == pytest.approx(5.2)  # launches do not grow with rows
+    # without graphs the times are of uncaptured calls already: no host line is added
+    assert _standard_only_table(None, graphs=False).call_ms((0, 0), 20, 200, False) == pytest.approx(gpu)
+
+
+def test_a_launch_bound_ragged_batch_runs_padded_so_that_it_replays_a_graph():
+    lengths = np.random.default_rng(3).integers(20, 201, size=20)
+    lengths[0] = 200
+    (g,) = plan(_standard_only_table(1.3, graphs=True), 20, 200, lengths, pad_ok=True)
+    assert g.rows is None and g.uniform and g.algos == (0, 0) and (g.n, g.steps) == (20, 200)
+    # without graphs, or when the launches cost less than the GPU work, the ragged call stays one call
+    for table in (_standard_only_table(None, graphs=False), _standard_only_table(0.05, graphs=True)):
+        (g,) = plan(table, 20, 200, lengths, pad_ok=True)
+        assert g.rows is None and not g.uniform
+    # final states wanted (no padding): many distinct lengths are still cheapest as one ragged call
+    (g,) = plan(_standard_only_table(1.3, graphs=True), 20, 200, lengths, pad_ok=False)
+    assert g.rows is None and not g.uniform
+
+
+def test_groups_are_costed_with_their_launches():
+    """Equal-length groups run at exact lengths, which seldom repeat, so they are weighed as uncaptured calls:
+    a launch-bound batch of two lengths stays one ragged call rather than two launch-bound groups."""
+    table = _standard_only_table(1.3, graphs=True)
+    lengths = np.array([200] * 10 + [40] * 10)
+    (g,) = plan(table, 20, 200, lengths, pad_ok=False)
+    assert g.rows is None and not g.uniform
+    # where launches are cheap, the same two lengths split into groups as before (their GPU time is less)
+    cheap = _standard_only_table(0.01, graphs=True)
+    assert len(plan(cheap, 20, 200, lengths, pad_ok=False)) == 1  # standard only: one call's GPU time wins
+    assert table.call_ms((0, 0), 10, 40, captured=False) == pytest.approx(2 * 1.3 * 40 / 50)
+
+
+@pytest.mark.parametrize("pad_ok", [False, True])
+def test_plan_pruning_with_host_lines_never_changes_the_choice(pad_ok):
+    rng = np.random.default_rng(11)
+    pruned, exhaustive = _standard_only_table(1.3, True), _standard_only_table(1.3, True)
+    exhaustive.__dict__["min_step_ms"] = -1e9
+    for _ in range(300):
+        b = int(rng.integers(1, 40))
+        lengths = rng.integers(1, 201, size=b) if rng.random() < 0.5 else rng.choice([30, 200], size=b)
+        steps = int(lengths.max())
+        want = plan(exhaustive, b, steps, lengths, pad_ok)
+        got = plan(pruned, b, steps, lengths, pad_ok)
+        assert [(g.n, g.steps, g.algos, g.uniform) for g in got] == [(g.n, g.steps, g.algos, g.uniform) for g in want]

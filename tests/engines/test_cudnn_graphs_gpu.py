@@ -193,6 +193,39 @@ def test_ragged_padded_calls_replay_graphs_of_bucketed_shapes(layout):
 
 
 @gpu
+def test_launch_bound_ragged_batches_replay_graphs():
+    """A 2-layer H=256 LSTM whose larger buckets run STANDARD (per-step launches: ~5 ms of host time for a
+    ragged batch of 200 steps on an H100, ~1.5 ms of GPU work) runs ragged many-to-one batches padded at
+    bucketed shapes, so that they replay graphs, with the numbers of plain calls. Before the autotuner had
+    host lines, such batches ran ragged and uncaptured: 11 replays in 240 calls (H100)."""
+    from service.scheduler.batching import output_last
+
+    model = model_from_torch(make_torch("lstm", 40, 256, 2, False, seed=31), max_batch_size=32)
+    graphed, plain = _pair(model)
+    rng = np.random.default_rng(8)
+    try:
+        calls = 48
+        for call in range(calls):
+            n = int(rng.integers(8, 33))
+            lengths = rng.integers(20, 201, n)
+            x = rand((n, int(lengths.max()), 40), seed=call)
+            got = graphed.launch(x, lengths, states_needed=False, last_only=True)
+            got.wait()
+            got_last = got.finish().last
+            if call % 8 == 0:
+                check(got_last, output_last(model.spec, reference_run(model, x, lengths).output, lengths),
+                      what="output_last")
+            want = plain.launch(x, lengths, states_needed=False, last_only=True)
+            want.wait()
+            np.testing.assert_allclose(got_last, want.finish().last, rtol=1e-5, atol=1e-6)
+        info = graphed.describe()["cuda_graphs"]
+        assert info["failed_shapes"] == 0 and info["replays"] >= calls // 2, (info, graphed.describe()["algorithms"])
+    finally:
+        graphed.close()
+        plain.close()
+
+
+@gpu
 def test_equal_length_calls_with_states_replay_graphs_at_their_bucket_rows():
     """Stream-like calls (equal lengths, initial and final states) of changing batch sizes replay a graph
     per batch bucket: the caller's rows and states go into the graph's first rows and come back out."""

@@ -63,3 +63,34 @@ def test_graph_shapes_remember_each_shape_and_keep_them_exact_when_off():
     assert on.rows(19, 10) == (32, 10)  # final states read: the steps stay
     assert off.padded(19, 150) == (19, 150) and off.rows(19, 10) == (19, 10)
     assert GraphShapes(None, False).padded(3, 4) == (3, 4)  # an engine before tuning
+
+
+def _launch_bound_table(host_ms_at_50: float | None) -> AlgoTable:
+    """Two STANDARD blocks whose GPU time grows with rows and steps (H=256-like: ~0.8 ms per block at 20 rows
+    of 200 steps) and whose uncaptured launches take ``host_ms_at_50`` per block at 50 steps (x4 at 200)."""
+    per = []
+    for b in (1, 2, 4, 8, 16, 32, 64):
+        at = lambda steps: 0.02 + 0.0035 * steps * (1 + 0.01 * b)  # noqa: E731
+        trial = Trial(0, time_ms=at(50), long_ms=at(200), host_ms=host_ms_at_50,
+                      long_host_ms=None if host_ms_at_50 is None else 4 * host_ms_at_50)
+        per.append(BucketChoice(b, 0, trial.time_ms, {0: trial}))
+    return AlgoTable((1, 2, 4, 8, 16, 32, 64), [per, per], steps=50, long_steps=200,
+                     graphs=host_ms_at_50 is not None)
+
+
+def test_a_launch_bound_model_pads_to_reach_a_graph_within_what_a_replay_saves():
+    from service.engines.cudnn.shape_buckets import pad_budget
+
+    exact = _launch_bound_table(None)
+    assert pad_budget(exact, 20, 197) == pytest.approx(0.1)  # no host lines: the least budget
+    assert graph_shape(exact, 20, 197) == (20, 197)  # 0.1 ms buys neither 12 rows nor 11 steps here
+    bound = _launch_bound_table(1.3)
+    budget = pad_budget(bound, 20, 197)
+    assert budget == pytest.approx(2 * 1.3 * 197 / 50 - 2 * bound.cost_ms(0, 0, 20, 197), rel=1e-6)
+    rows, steps = graph_shape(bound, 20, 197)
+    assert rows == 32  # the bucket
+    # the finest grid (208), not 224 or 256: those add more than COARSE_FRACTION of the GPU time, which a
+    # replaying call is bound by
+    assert steps == 208
+    # a call whose launches cost less than its GPU work saves nothing by a replay: the least budget again
+    assert pad_budget(_launch_bound_table(0.05), 20, 197) == pytest.approx(0.1)

@@ -30,10 +30,22 @@ larger than the biggest bucket, :func:`plan` decides between
 by estimating each from the cost lines (groups pay a fixed gather/scatter cost each). With typical ragged
 traffic (many distinct lengths) the whole-batch STANDARD call wins; equal-length
 groups win when a few lengths repeat, e.g. a streaming client's fixed chunks.
+
+Where the engine replays CUDA graphs, the GPU times above are of graph replays, and each
+trial also has a host line: the ms its launches hold the calling thread when it runs
+uncaptured (``host_ms``, ``long_host_ms``). A ragged call is never captured (cuDNN reads
+its lengths from the host at launch), so the whole-batch STANDARD option costs the larger
+of its GPU time and its launches, and so do groups (exact lengths rarely repeat, so their
+shapes are seldom captured), while the padded option runs at a bucketed shape
+(:mod:`.shape_buckets`) that replays a graph and costs its GPU time. Without that, a model whose buckets all chose STANDARD
+(H=256, 2 layers: persistent kernels lose from 8 rows up) tied padded with ragged, ran
+every ragged batch uncaptured, and spent 4.7-6.4 ms of host time launching batches of 8-32
+sequences whose GPU work, replayed, takes ~1.5 ms (H100, bench/results/h100-2026-11-28/).
 """
 from __future__ import annotations
 
 import statistics
+import time
 from functools import cached_property
 from dataclasses import dataclass, field
 
@@ -75,6 +87,8 @@ class Trial:
     error: str | None = None
     build_ms: float | None = None
     long_ms: float | None = None
+    host_ms: float | None = None        # host ms of an uncaptured call at the short length (None: not measured)
+    long_host_ms: float | None = None   # ... and at the long length
 
     @property
     def usable(self) -> bool:
@@ -87,15 +101,14 @@ class Trial:
         the line through the origin and the first timing below ``short``; a flat cost when noise
         made the longer run faster. Proportional to the steps when only one length was timed.
         """
-        if self.long_ms is None or long <= short:
-            return self.time_ms * steps / short
-        slope = (self.long_ms - self.time_ms) / (long - short)
-        if slope <= 0.0:
-            return self.time_ms
-        fixed = self.time_ms - slope * short
-        if fixed < 0.0 and steps < short:
-            return self.time_ms * steps / short
-        return fixed + slope * steps
+        return _line_ms(self.time_ms, self.long_ms, steps, short, long)
+
+    def launch_ms(self, steps: int, short: int, long: int) -> float:
+        """Estimated host ms of an uncaptured call of ``steps`` steps (0.0 when not measured), by the same
+        kind of line as :meth:`cost_ms`."""
+        if self.host_ms is None:
+            return 0.0
+        return _line_ms(self.host_ms, self.long_host_ms, steps, short, long)
 
     def line(self, short: int, long: int) -> tuple[float, float]:
         """(fixed ms, ms per step) of a line that never exceeds :meth:`cost_ms` at any length >= 0."""
@@ -113,11 +126,27 @@ class Trial:
             d["time_ms"] = round(self.time_ms, 4)
         if self.long_ms is not None:
             d["long_ms"] = round(self.long_ms, 4)
+        if self.host_ms is not None:
+            d["host_ms"] = round(self.host_ms, 4)
+        if self.long_host_ms is not None:
+            d["long_host_ms"] = round(self.long_host_ms, 4)
         if self.build_ms is not None:
             d["build_ms"] = round(self.build_ms, 1)
         if self.error:
             d["error"] = self.error
         return d
+
+
+def _line_ms(short_ms: float, long_ms: float | None, steps: int, short: int, long: int) -> float:
+    if long_ms is None or long <= short:
+        return short_ms * steps / short
+    slope = (long_ms - short_ms) / (long - short)
+    if slope <= 0.0:
+        return short_ms
+    fixed = short_ms - slope * short
+    if fixed < 0.0 and steps < short:
+        return short_ms * steps / short
+    return fixed + slope * steps
 
 
 @dataclass
@@ -194,7 +223,8 @@ class AlgoTable:
     """Per block, per bucket: the trials and their cost lines (ms at ``steps`` and ``long_steps``)."""
 
     def __init__(self, buckets: tuple[int, ...], choices: list[list[BucketChoice]], steps: int,
-                 forced: int | None = None, long_steps: int | None = None) -> None:
+                 forced: int | None = None, long_steps: int | None = None, graphs: bool = False) -> None:
+        self.graphs = graphs  # the engine replays CUDA graphs of equal-length calls (the times are of replays)
         self.buckets = buckets
         self.choices = choices
         self.steps = max(1, int(steps))
@@ -278,6 +308,22 @@ class AlgoTable:
             ms *= n / self.biggest
         return ms
 
+    def launch_ms(self, block: int, algo: int, n: int, steps: int) -> float:
+        """Estimated host ms of an uncaptured ``algo`` call of ``n`` sequences of ``steps`` steps (0.0 where not
+        measured). Launches do not grow with the rows, so beyond the biggest bucket it is the biggest's."""
+        trial = self._by_bucket[block][self.bucket_for(n)].trials.get(algo)
+        if trial is None or not trial.usable:
+            return 0.0
+        return trial.launch_ms(steps, self.steps, self.long_steps)
+
+    def call_ms(self, algos: tuple[int, ...], n: int, steps: int, captured: bool) -> float:
+        """Estimated ms of one call running ``algos`` (one per block): its GPU time, and where it runs
+        uncaptured (not ``captured``, or no graphs), at least its host launches (the thread is busy that long)."""
+        gpu = sum(self.cost_ms(k, a, n, steps) for k, a in enumerate(algos))
+        if captured and self.graphs:
+            return gpu
+        return max(gpu, sum(self.launch_ms(k, a, n, steps) for k, a in enumerate(algos)))
+
     def describe(self) -> list[dict]:
         return [{"block": k, "steps": self.steps, "long_steps": self.long_steps,
                  "buckets": [c.to_dict(self.steps, self.long_steps) for c in per]}
@@ -300,14 +346,15 @@ def plan(table: AlgoTable, batch: int, steps: int, lengths: np.ndarray, pad_ok: 
     if full and batch <= table.biggest:
         return [Group(None, batch, steps, table.algos_for(batch, steps), True, table.seq_major_for(batch))]
     whole = [Group(None, batch, steps, standard, full, table.seq_major_for(batch))]
-    if not table.any_persistent:
+    if not table.any_persistent and not table.graphs:
         return whole
     longest = int(lengths.max())
-    whole_cost = sum(table.cost_ms(k, L.ALGO_STANDARD, batch, longest) for k in range(blocks))
+    # ragged lengths are read from the host at launch, so only an equal-length call replays a graph
+    whole_cost = table.call_ms(standard, batch, longest, captured=full)
     options: list[tuple[float, list[Group]]] = [(whole_cost, whole)]
     if pad_ok and batch <= table.biggest and table.forced is None:
         algos = table.algos_for(batch, steps)
-        padded_cost = sum(table.cost_ms(k, a, batch, steps) for k, a in enumerate(algos))
+        padded_cost = table.call_ms(algos, batch, steps, captured=True)
         options.append((padded_cost, [Group(None, batch, steps, algos, True, table.seq_major_for(batch))]))
     if table.forced is None:
         # At least one group per distinct length, none cheaper than the cheapest line of any bucket: when
@@ -331,7 +378,9 @@ def plan(table: AlgoTable, batch: int, steps: int, lengths: np.ndarray, pad_ok: 
                 rows = slice(int(rows[0]), int(rows[-1]) + 1)
             algos = table.algos_for(n, length)
             groups.append(Group(rows, n, length, algos, True, table.seq_major_for(n)))
-            cost += sum(table.cost_ms(k, a, n, length) for k, a in enumerate(algos)) + GROUP_OVERHEAD_MS
+            # exact lengths rarely repeat (lengths 20..200 give hundreds of shapes), so a group is costed
+            # uncaptured: launches included
+            cost += table.call_ms(algos, n, length, captured=False) + GROUP_OVERHEAD_MS
         if len(groups) > MAX_GROUPS and table.forced is None:
             break
     if table.forced is not None:
@@ -370,4 +419,17 @@ def time_call(run, stream, warmup: int = 1, reps: int = 5, graph: bool = False) 
         end.record(stream)
         end.synchronize()
         times.append(cp.cuda.get_elapsed_time(start, end))
+    return statistics.median(times)
+
+
+def host_call_ms(run, stream, reps: int = 3) -> float:
+    """Median host ms of ``run()`` uncaptured, each started on an idle stream: how long its launches hold the
+    calling thread (cuDNN's STANDARD algorithm launches kernels per step and layer)."""
+    times = []
+    for _ in range(reps):
+        stream.synchronize()
+        started = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - started) * 1000.0)
+    stream.synchronize()
     return statistics.median(times)

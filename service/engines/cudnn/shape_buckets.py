@@ -15,10 +15,18 @@ set lets a few dozen graphs cover the traffic:
 * steps up to a grid with 2, 4 or 8 values per octave (the coarsest whose extra steps
   fit the budget), past each row's length, where a causal model's outputs are not read.
 
-Each side may add at most ``budget_ms / 2`` of estimated GPU time: what a replay saves
-on the host. A model whose GPU time grows with every row and step (large H) keeps its
-exact shapes. Equal-length calls that need their final states (stream chunks) pad rows
-only: steps past a sequence's end would change its final state.
+Each side may add at most half a budget of estimated GPU time: what a replay saves on the
+host, that is the uncaptured call's launches beyond its GPU time, from the autotuner's host
+lines (:meth:`.autotune.AlgoTable.launch_ms`), and at least ``PAD_BUDGET_MS``. Small models
+whose buckets run persistent kernels (one launch per layer) save little, so they pad little
+and a model whose GPU time grows with every row and step keeps its exact shapes; a model
+whose calls run cuDNN's STANDARD algorithm (per-step launches: ~5 ms of host time for 200
+steps of a 2-layer H=256 LSTM, H100) saves much more, and pads to reach a graph. The coarser
+step grids (2 and 4 values per octave) are taken only while their extra steps also cost at
+most ``COARSE_FRACTION`` of the call's GPU time: a call that replays is GPU-bound, and
+padding it further only slows it; the finest grid keeps the number of graphs bounded.
+Equal-length calls that need their final states (stream chunks) pad rows only: steps past
+a sequence's end would change its final state.
 """
 from __future__ import annotations
 
@@ -26,7 +34,8 @@ from typing import Callable
 
 from .autotune import AlgoTable
 
-PAD_BUDGET_MS = 0.1
+PAD_BUDGET_MS = 0.1      # the least budget: a replay's host saving measured on a small persistent-kernel model
+COARSE_FRACTION = 0.1    # the 2 and 4 per octave grids may add at most this share of the call's GPU time
 
 
 def round_steps(steps: int, per_octave: int) -> int:
@@ -41,14 +50,23 @@ def _cost(table: AlgoTable, n: int, steps: int) -> float:
     return sum(table.cost_ms(k, a, n, steps) for k, a in enumerate(table.algos_for(n, steps)))
 
 
-def graph_rows(table: AlgoTable, n: int, steps: int, budget_ms: float = PAD_BUDGET_MS) -> int:
+def pad_budget(table: AlgoTable, n: int, steps: int) -> float:
+    """The ms a replay saves for a call of ``n`` rows and ``steps`` steps: its uncaptured launches beyond its
+    GPU time (see :meth:`.autotune.AlgoTable.call_ms`), at least ``PAD_BUDGET_MS``."""
+    algos = table.algos_for(min(n, table.biggest), steps)
+    return max(PAD_BUDGET_MS, table.call_ms(algos, n, steps, captured=False) - _cost(table, n, steps))
+
+
+def graph_rows(table: AlgoTable, n: int, steps: int, budget_ms: float | None = None) -> int:
     """Rows to run a call of ``n`` rows and ``steps`` steps at: ``n``'s batch bucket when the table's
-    timings put the extra rows within ``budget_ms / 2``, else ``n``."""
+    timings put the extra rows within ``budget_ms / 2`` (default: :func:`pad_budget`), else ``n``."""
     if n > table.biggest:
         return n
     bucket = table.bucket_for(n)
     if bucket == n:
         return n
+    if budget_ms is None:
+        budget_ms = pad_budget(table, n, steps)
     smaller = [b for b in table.buckets if b < bucket]
     prev = smaller[-1] if smaller else 0
     base = _cost(table, prev, steps) if prev else 0.0
@@ -56,18 +74,22 @@ def graph_rows(table: AlgoTable, n: int, steps: int, budget_ms: float = PAD_BUDG
     return bucket if per_row * (bucket - n) <= budget_ms / 2 else n
 
 
-def graph_shape(table: AlgoTable, n: int, steps: int, budget_ms: float = PAD_BUDGET_MS) -> tuple[int, int]:
-    """(rows, steps) to run a padded call of ``n`` rows and ``steps`` steps at: each at least as large."""
-    rows = graph_rows(table, n, steps, budget_ms)
+def graph_shape(table: AlgoTable, n: int, steps: int, budget_ms: float | None = None) -> tuple[int, int]:
+    """(rows, steps) to run a padded call of ``n`` rows and ``steps`` steps at: each at least as large
+    (``budget_ms``: default :func:`pad_budget`)."""
     if n > table.biggest:
         return n, steps
-    padded = steps
+    if budget_ms is None:
+        budget_ms = pad_budget(table, n, steps)
+    rows = graph_rows(table, n, steps, budget_ms)
+    base = _cost(table, rows, steps)
+    coarse = max(PAD_BUDGET_MS / 2, COARSE_FRACTION * base)
     for per_octave in (2, 4, 8):
         candidate = round_steps(steps, per_octave)
-        if _cost(table, rows, candidate) - _cost(table, rows, steps) <= budget_ms / 2:
-            padded = candidate
-            break
-    return rows, padded
+        extra = _cost(table, rows, candidate) - base
+        if extra <= budget_ms / 2 and (per_octave == 8 or extra <= coarse):
+            return rows, candidate
+    return rows, steps
 
 
 class GraphShapes:

@@ -7,7 +7,7 @@ import numpy as np
 
 from ...errors import EngineUnavailable
 from . import library as L
-from .autotune import LONG_FACTOR, AlgoTable, BucketChoice, Trial, choose, time_call
+from .autotune import LONG_FACTOR, AlgoTable, BucketChoice, Trial, choose, host_call_ms, time_call
 from .block import AlgorithmRejected, BlockRunner
 from .transfer import Converter
 
@@ -51,7 +51,7 @@ def tune_table(runners: list[BlockRunner], conv: Converter, buckets: tuple[int, 
                 f"size: {'; '.join(sorted(e for e in errors if e))}"
             )
         choices.append(per)
-    return AlgoTable(buckets, choices, steps, forced, long_steps)
+    return AlgoTable(buckets, choices, steps, forced, long_steps, graphs=graph)
 
 
 def _as_float32(conv: Converter, a):
@@ -104,6 +104,8 @@ def tune_block(runner: BlockRunner, conv: Converter, buckets: tuple[int, ...], s
                                    h0.data.ptr, hy.data.ptr)
 
                 trial.time_ms = time_call(run, ctx.stream, graph=graph)
+                if graph:  # replays cost the GPU time; an uncaptured call (ragged lengths) also its launches
+                    trial.host_ms = host_call_ms(run, ctx.stream)
             except (L.CudnnError, AlgorithmRejected) as exc:
                 trial.error = str(exc)[:400]
                 trial.time_ms = None
@@ -124,7 +126,7 @@ def tune_block(runner: BlockRunner, conv: Converter, buckets: tuple[int, ...], s
                     continue
             if long is not None:
                 try:
-                    trial.long_ms = long.time(algo)
+                    trial.long_ms, trial.long_host_ms = long.time(algo)
                 except (L.CudnnError, AlgorithmRejected) as exc:
                     trial.error = f"failed at {long_steps} steps: {str(exc)[:300]}"
                     trial.time_ms = None
@@ -157,14 +159,17 @@ class _LongRun:
         self.lens_host = np.full(bucket, steps, dtype=np.int32)
         self.lens_dev = cp.asarray(self.lens_host)
 
-    def time(self, algo: int) -> float:
+    def time(self, algo: int) -> tuple[float, float | None]:
+        """(GPU ms, host ms of an uncaptured call or None when graphs are not timed) of ``algo``."""
         key = (self.bucket, self.steps, None)
 
         def run():
             self.runner.forward(algo, self.bucket, self.steps, key, self.lens_host, self.lens_dev.data.ptr,
                                 self.x.data.ptr, self.y.data.ptr, self.h0.data.ptr, self.hy.data.ptr)
 
-        return time_call(run, self.runner.ctx.stream, graph=self.graph)
+        stream = self.runner.ctx.stream
+        gpu = time_call(run, stream, graph=self.graph)
+        return gpu, (host_call_ms(run, stream) if self.graph else None)
 
 
 def tune_layouts(table, run_blocks, uniform, conv: Converter, input_size: int, steps: int, stream) -> None:
