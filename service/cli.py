@@ -85,13 +85,14 @@ def _print_engine(info: dict) -> None:
     layouts = {row.get("bucket"): row.get("layout") for row in info.get("layouts") or []}
     for block in algos:
         short, long = block.get("steps", "?"), block.get("long_steps", "?")
+        # launch ms: the host time of that call uncaptured (a ragged batch), when graphs are timed
         print(f"  block {block.get('block')}: {'bucket':>6}  {'algorithm at T=' + str(short):<24}{'ms':>9}  "
-              f"{'algorithm at T=' + str(long):<24}{'ms':>9}  io layout")
+              f"{'algorithm at T=' + str(long):<24}{'ms':>9}{'launch ms':>11}  io layout")
         for row in block.get("buckets", []):
-            long_ms = row.get("long_ms")
+            long_ms, host_ms = row.get("long_ms"), row.get("long_host_ms")
             print(f"  {'':9}{row.get('bucket'):>6}  {row.get('algo'):<24}{row.get('time_ms') or 0:>9.4f}  "
-                  f"{row.get('algo_long', '-'):<24}{'-' if long_ms is None else f'{long_ms:.4f}':>9}  "
-                  f"{layouts.get(row.get('bucket'), '-')}")
+                  f"{row.get('algo_long', '-'):<24}{'-' if long_ms is None else f'{long_ms:.4f}':>9}"
+                  f"{'-' if host_ms is None else f'{host_ms:.4f}':>11}  {layouts.get(row.get('bucket'), '-')}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -80,3 +80,18 @@ def test_cli_errors_are_one_line_and_exit_2(torch_file, tmp_path):
     res = rnnserve("inspect", tmp_path / "nothing")
     assert res.returncode == 2 and "no model at" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_inspect_prints_each_buckets_algorithms_and_uncaptured_launch_time(capsys):
+    """`rnnserve inspect --device cuda` prints the autotuner's table: per bucket the algorithm and ms at both
+    tuning lengths, and the host ms of that call uncaptured (what a ragged batch pays without a graph)."""
+    from service.cli import _print_engine
+    from service.engines.cudnn.autotune import AlgoTable, BucketChoice, Trial
+
+    per = [BucketChoice(b, 0, 0.4, {0: Trial(0, time_ms=0.4, long_ms=1.5, host_ms=1.3, long_host_ms=5.2)})
+           for b in (1, 8)]
+    table = AlgoTable((1, 8), [per], steps=50, long_steps=200, graphs=True)
+    _print_engine({"engine": "cudnn", "algorithms": table.describe(), "layouts": table.describe_layouts()})
+    lines = capsys.readouterr().out.splitlines()
+    assert "launch ms" in lines[2] and "algorithm at T=200" in lines[2]
+    assert lines[3].split() == ["1", "standard", "0.4000", "standard", "1.5000", "5.2000", "batch_major"]

@@ -138,6 +138,9 @@ def test_describe_reports_the_choice_at_both_lengths():
     row = block["buckets"][2]
     assert row["algo"] == "persist_static" and row["algo_long"] == "standard" and row["long_ms"] == 3.8
     assert {t["algo"]: t.get("long_ms") for t in row["tried"]} == {"standard": 3.8, "persist_static": 7.0}
+    assert row["long_host_ms"] is None  # no host lines in this table
+    (block,) = _standard_only_table(1.3, graphs=True).describe()[:1]
+    assert block["buckets"][0]["long_host_ms"] == 5.2 and block["buckets"][0]["tried"][0]["host_ms"] == 1.3
 
 
 def test_margin_applies_at_the_calls_length():

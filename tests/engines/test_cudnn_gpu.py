@@ -318,6 +318,9 @@ def test_autotune_describe_and_buckets():
             assert b["algo"] in ALGO_NAMES.values() and b["time_ms"] > 0
             assert b["algo_long"] in ALGO_NAMES.values() and b["long_ms"] > 0
             assert all(t["long_ms"] > 0 for t in b["tried"] if "time_ms" in t)  # every usable trial has its line
+            # graphs on (the default): each usable trial's uncaptured launches are timed too (its host line)
+            assert all(t["host_ms"] > 0 and t["long_host_ms"] > 0 for t in b["tried"] if "time_ms" in t)
+            assert b["long_host_ms"] > 0
         assert info["weights_upload"][0]["mode"] == "single copy"
         assert [b["layout"] for b in info["layouts"]] and all(
             b["layout"] in ("batch_major", "seq_major") and "batch_major_ms" in b for b in info["layouts"])

@@ -188,6 +188,8 @@ class BucketChoice:
             d["algo_long"] = L.ALGO_NAMES[at_long]
             trial = self.trials.get(at_long)
             d["long_ms"] = None if trial is None or trial.long_ms is None else round(trial.long_ms, 4)
+            d["long_host_ms"] = (None if trial is None or trial.long_host_ms is None
+                                 else round(trial.long_host_ms, 4))
         d["tried"] = [t.to_dict() for t in self.trials.values()]
         return d
 
