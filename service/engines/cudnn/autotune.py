@@ -37,10 +37,11 @@ uncaptured (``host_ms``, ``long_host_ms``). A ragged call is never captured (cuD
 its lengths from the host at launch), so the whole-batch STANDARD option costs the larger
 of its GPU time and its launches, and so do groups (exact lengths rarely repeat, so their
 shapes are seldom captured), while the padded option runs at a bucketed shape
-(:mod:`.shape_buckets`) that replays a graph and costs its GPU time. Without that, a model whose buckets all chose STANDARD
-(H=256, 2 layers: persistent kernels lose from 8 rows up) tied padded with ragged, ran
-every ragged batch uncaptured, and spent 4.7-6.4 ms of host time launching batches of 8-32
-sequences whose GPU work, replayed, takes ~1.5 ms (H100, bench/results/h100-2026-11-28/).
+(:mod:`.shape_buckets`) that replays a graph and costs its GPU time. Without that, a model
+whose buckets all chose STANDARD (H=256, 2 layers: persistent kernels lose from 8 rows up)
+tied padded with ragged, ran every ragged batch uncaptured, and spent 4.7-6.4 ms of host
+time launching batches of 8-32 sequences whose GPU work, replayed, takes ~1.5 ms (H100,
+bench/results/h100-2026-11-28/; with host lines 1.9-3.5 ms a batch, h100-2026-11-29/).
 """
 from __future__ import annotations
 
