@@ -5,9 +5,13 @@ lengths drawn from --min-len..--max-len, each asking for the output at its own l
 Per model size (H, layers) and B, three sides on the same batches, in one run:
 
 * ``rnnserve``: the engine as it serves (``engine.launch`` from NumPy, ``wait``, ``finish``);
-* ``rnnserve, no host lines``: the same engine with the autotuner's host lines removed, which
-  is how it planned ragged batches before this bench was written (a ragged batch of a model
-  whose buckets chose STANDARD then ran uncaptured: its per-step launches on the host);
+* a second engine planning as an earlier round did (``--compare``):
+  ``replay-lines`` (the default) removes the whole-model replay lines that the layout tuning records,
+  so the planner weighs calls by the per-block lines timed batch-major (the 2026-11-29 round; a 2-layer
+  H=512 LSTM's ragged batches of ~20 then ran as groups of single sequences);
+  ``host-lines`` also removes the autotuner's host lines, which is how it planned ragged batches before
+  that round (a ragged batch of a model whose buckets chose STANDARD then ran uncaptured: its per-step
+  launches on the host);
 * ``torch``: ``torch.nn.LSTM`` (same weights, fp32 without TF32, as the engine) on the batch
   padded to its longest sequence, from host to host (copy in, run, pick each sequence's last
   output, copy out), and on a ``pack_padded_sequence`` of it.
@@ -41,12 +45,16 @@ from service.engines.cudnn import CudnnEngine  # noqa: E402
 from service.engines.cudnn.shape_buckets import GraphShapes  # noqa: E402
 
 
-def without_host_lines(engine: CudnnEngine) -> None:
-    """Plan and pad as before the autotuner measured host lines: GPU times only."""
-    for per in engine._table.choices:
-        for choice in per:
-            for trial in choice.trials.values():
-                trial.host_ms = trial.long_host_ms = None
+def as_before(engine: CudnnEngine, compare: str) -> None:
+    """Plan and pad as an earlier round did: without the replay lines, and for ``host-lines`` also without the
+    host lines (GPU times only)."""
+    engine._table.replay_lines.clear()
+    engine._table.__dict__.pop("_bounds", None)
+    if compare == "host-lines":
+        for per in engine._table.choices:
+            for choice in per:
+                for trial in choice.trials.values():
+                    trial.host_ms = trial.long_host_ms = None
     engine._table._algos.clear()
     engine._plans.clear()
     engine._shapes = GraphShapes(engine._table, engine._shapes.enabled)
@@ -95,6 +103,12 @@ def explain(engine: CudnnEngine, work: list) -> None:
             cells.append(f"{choice.bucket}:{L.ALGO_NAMES[algo]} gpu {trial.long_ms or 0:.2f} host "
                          f"{trial.long_host_ms or 0:.2f}")
         print(f"    block {k} at {table.long_steps} steps: " + ", ".join(cells))
+    for row in table.describe_layouts():
+        line = table.replay_lines.get(row["bucket"])
+        print(f"    bucket {row['bucket']}: {row['layout']} ({row.get('timed')}: batch-major "
+              f"{row.get('batch_major_ms')}/{row.get('batch_major_long_ms')}, seq-major "
+              f"{row.get('seq_major_ms')}/{row.get('seq_major_long_ms')} ms); replay line "
+              f"{'-' if line is None else f'{line.time_ms:.3f} / {line.long_ms:.3f} ms'}")
     for x, lengths in work[:4]:
         b, t = x.shape[:2]
         groups = plan(table, b, t, lengths, True)
@@ -142,6 +156,8 @@ def main() -> int:
     ap.add_argument("--max-len", type=int, default=200)
     ap.add_argument("--max-batch-size", type=int, default=64)
     ap.add_argument("--explain", action="store_true", help="print the autotuner's lines and a few batches' plans")
+    ap.add_argument("--compare", choices=("replay-lines", "host-lines"), default="replay-lines",
+                    help="what the second engine plans without (see the docstring)")
     args = ap.parse_args()
 
     import torch
@@ -165,17 +181,19 @@ def main() -> int:
             work = batches(rng, b, args.warmup + args.calls, args.min_len, args.max_len, 40)
             engines = [CudnnEngine(model, blocking_sync=True), CudnnEngine(model, blocking_sync=True)]
             try:
-                without_host_lines(engines[1])
+                as_before(engines[1], args.compare)
                 if args.explain:
-                    print(f"  H={hidden} L={layers} B={b}, with host lines:")
+                    print(f"  H={hidden} L={layers} B={b}:")
                     explain(engines[0], work)
+                    print(f"  H={hidden} L={layers} B={b}, without {args.compare}:")
+                    explain(engines[1], work)
                 timed = time_engines(engines, work, args.warmup)
                 graphs = [e.describe()["cuda_graphs"] or {} for e in engines]
             finally:
                 for e in engines:
                     e.close()
             rows = {side: (total, host, f"{g.get('captures', 0)} / {g.get('replays', 0)}")
-                    for side, (total, host), g in zip(("rnnserve", "rnnserve, no host lines"), timed, graphs)}
+                    for side, (total, host), g in zip(("rnnserve", f"rnnserve, no {args.compare}"), timed, graphs)}
             rows["torch, padded"] = (time_torch(mod, work, args.warmup, False), [], "")
             rows["torch, packed"] = (time_torch(mod, work, args.warmup, True), [], "")
             base = statistics.median(rows["torch, padded"][0])

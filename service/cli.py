@@ -93,6 +93,17 @@ def _print_engine(info: dict) -> None:
             print(f"  {'':9}{row.get('bucket'):>6}  {row.get('algo'):<24}{row.get('time_ms') or 0:>9.4f}  "
                   f"{row.get('algo_long', '-'):<24}{'-' if long_ms is None else f'{long_ms:.4f}':>9}"
                   f"{'-' if host_ms is None else f'{host_ms:.4f}':>11}  {layouts.get(row.get('bucket'), '-')}")
+    timed = [row for row in info.get("layouts") or [] if "timed" in row]
+    if timed:
+        # the whole model per bucket in each IO layout; replayed where graphs are on (what served calls cost)
+        print(f"  io layouts, whole model: {'bucket':>6}  {'timed':<11}{'batch-major ms':>16}{'seq-major ms':>14}  chosen")
+        for row in timed:
+            pairs = []
+            for name in ("batch_major", "seq_major"):
+                short, long = row.get(f"{name}_ms"), row.get(f"{name}_long_ms")
+                pairs.append("error" if short is None else f"{short:.3f}" + ("" if long is None else f"/{long:.3f}"))
+            print(f"  {'':25}{row.get('bucket'):>6}  {row.get('timed'):<11}{pairs[0]:>16}{pairs[1]:>14}  "
+                  f"{row.get('layout')}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -95,3 +95,21 @@ def test_inspect_prints_each_buckets_algorithms_and_uncaptured_launch_time(capsy
     lines = capsys.readouterr().out.splitlines()
     assert "launch ms" in lines[2] and "algorithm at T=200" in lines[2]
     assert lines[3].split() == ["1", "standard", "0.4000", "standard", "1.5000", "5.2000", "batch_major"]
+
+
+def test_inspect_prints_each_buckets_layout_times(capsys):
+    """The IO layout table: per bucket how it was timed, both layouts at both lengths, and the layout chosen."""
+    from service.cli import _print_engine
+    from service.engines.cudnn.autotune import AlgoTable, BucketChoice, Trial
+
+    per = [BucketChoice(b, 0, 0.4, {0: Trial(0, time_ms=0.4, long_ms=1.5)}) for b in (1, 8)]
+    table = AlgoTable((1, 8), [per], steps=50, long_steps=200, graphs=True)
+    table.layouts = {1: (False, {"timed": "replay", "batch_major_ms": 0.4, "batch_major_long_ms": 1.5,
+                                 "seq_major_ms": 0.5, "seq_major_long_ms": 1.6}),
+                     8: (True, {"timed": "replay", "batch_major_ms": 0.9, "batch_major_long_ms": 3.1,
+                                "seq_major_ms": 0.7, "seq_major_long_ms": 2.5})}
+    _print_engine({"engine": "cudnn", "algorithms": table.describe(), "layouts": table.describe_layouts()})
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if "io layouts" in line)
+    assert lines[at + 1].split() == ["1", "replay", "0.400/1.500", "0.500/1.600", "batch_major"]
+    assert lines[at + 2].split() == ["8", "replay", "0.900/3.100", "0.700/2.500", "seq_major"]

@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.engines.cudnn.autotune import AlgoTable, BucketChoice, Group, Trial, batch_buckets, choose, plan
+from service.engines.cudnn.autotune import (AlgoTable, BucketChoice, Group, ReplayLine, Trial, batch_buckets, choose,
+                                            plan)
 
 def test_batch_buckets():
     assert batch_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
@@ -172,7 +173,8 @@ def test_plan_pruning_with_cost_lines_never_changes_the_choice(seed, pad_ok):
 def _check_pruning(make_table, rng, max_batch: int, longest: int, pad_ok: bool) -> None:
     """Random ragged calls plan the same on a table whose lower bound never prunes."""
     pruned, exhaustive = make_table(), make_table()
-    exhaustive.__dict__["min_step_ms"] = -1e9
+    exhaustive.__dict__["_bounds"] = (0.0, -1e9)  # a bound nothing is ever above
+    assert exhaustive.min_step_ms == -1e9
     for _ in range(300):
         b = int(rng.integers(1, max_batch))
         lengths = rng.integers(1, longest + 1, size=b) if rng.random() < 0.5 else rng.choice([3, longest], size=b)
@@ -248,3 +250,62 @@ def test_groups_are_costed_with_their_launches():
 @pytest.mark.parametrize("pad_ok", [False, True])
 def test_plan_pruning_with_host_lines_never_changes_the_choice(pad_ok):
     _check_pruning(lambda: _standard_only_table(1.3, True), np.random.default_rng(11), 40, 200, pad_ok)
+
+
+# -- replay lines: the whole model replayed in its chosen IO layout ------------------------------------
+
+def _h512_like_table(replayed: bool) -> AlgoTable:
+    """Shaped like the H100's 2-layer LSTM H=512: single sequences run a persistent kernel (one launch a block),
+    from 2 rows STANDARD; its per-block lines, timed batch-major, read 1.6 / 6.2 ms a block at 32 rows, while
+    the whole model replayed sequence-major takes 2.0 / 7.2 ms (``replayed``: that replay line is recorded)."""
+    per = []
+    for b in (1, 2, 4, 8, 16, 32):
+        std = Trial(0, time_ms=1.6 * (0.5 + b / 64), long_ms=6.2 * (0.5 + b / 64), host_ms=1.3, long_host_ms=5.2)
+        pst = Trial(1, time_ms=0.1, long_ms=0.4, host_ms=0.02, long_host_ms=0.02) if b == 1 else \
+            Trial(1, time_ms=30.0, long_ms=120.0)
+        per.append(choose(b, {0: std, 1: pst}))
+    table = AlgoTable((1, 2, 4, 8, 16, 32), [per, per], steps=50, long_steps=200, graphs=True)
+    if replayed:
+        table.set_replay_line(32, ReplayLine((0, 0), (0, 0), 2.0, 7.2))
+    return table
+
+
+def test_a_replay_line_is_the_gpu_time_of_the_calls_it_was_timed_with():
+    table = _h512_like_table(replayed=True)
+    assert table.gpu_ms((0, 0), 20, 200) == pytest.approx(7.2)
+    assert table.gpu_ms((0, 0), 32, 100) == pytest.approx(2.0 + (7.2 - 2.0) * 50 / 150)
+    assert table.gpu_ms((0, 0), 64, 200) == pytest.approx(14.4)  # past the biggest bucket: by rows
+    blocks = table.cost_ms(0, 0, 20, 200) + table.cost_ms(1, 1, 20, 200)
+    assert table.gpu_ms((0, 1), 20, 200) == pytest.approx(blocks)  # other algorithms: the blocks' lines
+    assert table.gpu_ms((0, 0), 16, 200) == pytest.approx(2 * 6.2 * (0.5 + 16 / 64))  # no line at that bucket
+    # a line whose two lengths ran different algorithms is not used for either
+    table.set_replay_line(16, ReplayLine((0, 0), (1, 1), 1.0, 3.0))
+    assert table.gpu_ms((0, 0), 16, 200) == pytest.approx(2 * 6.2 * (0.5 + 16 / 64))
+
+
+def test_a_replay_line_below_the_blocks_lines_makes_a_ragged_batch_run_padded():
+    """The H=512 finding (bench/results/h100-2026-11-29/): with batch-major block lines the padded call at 32
+    rows looked dearer than 20 single sequences, so a ragged batch of 20 ran as 20 calls; the whole model
+    replayed as served says otherwise."""
+    lengths = np.append(np.random.default_rng(5).choice(np.arange(20, 200), size=19, replace=False), 200)
+    groups = plan(_h512_like_table(replayed=False), 20, 200, lengths, pad_ok=True)
+    assert len(groups) == 20 and all(g.n == 1 and g.algos == (1, 1) for g in groups)
+    (g,) = plan(_h512_like_table(replayed=True), 20, 200, lengths, pad_ok=True)
+    assert g.rows is None and g.uniform and g.algos == (0, 0) and (g.n, g.steps) == (20, 200)
+
+
+def test_replay_lines_lower_the_pruning_bound():
+    table = _h512_like_table(replayed=False)
+    before = (table.min_fixed_ms, table.min_step_ms)
+    table.set_replay_line(32, ReplayLine((0, 0), (0, 0), 0.01, 0.03))  # cheaper than any block line
+    assert table.min_step_ms < before[1] and table.min_fixed_ms <= before[0]
+    assert table.min_step_ms == pytest.approx(0.02 / 150)
+
+
+@pytest.mark.parametrize("pad_ok", [False, True])
+def test_plan_pruning_with_replay_lines_never_changes_the_choice(pad_ok):
+    def make():
+        table = _h512_like_table(replayed=True)
+        table.set_replay_line(8, ReplayLine((0, 0), (0, 0), 0.05, 0.2))
+        return table
+    _check_pruning(make, np.random.default_rng(12), 40, 200, pad_ok)

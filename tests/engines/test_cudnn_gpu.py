@@ -304,6 +304,21 @@ def test_forced_persistent_with_projection_is_refused_or_exact():
 
 
 @gpu
+def test_without_graphs_layouts_are_timed_as_served_uncaptured():
+    mod = make_torch("gru", 16, 24, 1, False, seed=21)
+    model = model_from_torch(mod, max_batch_size=8)
+    eng = CudnnEngine(model, graph_memory_mb=0)
+    try:
+        rows = eng.describe()["layouts"]
+        assert rows and all(r["timed"] == "uncaptured" and "batch_major_long_ms" not in r for r in rows)
+        assert not eng._table.replay_lines
+        x, lengths = rand((3, 9, 16), seed=3), np.array([9, 2, 5])
+        check_all(eng.forward(x, lengths), reference_run(model, x, lengths))
+    finally:
+        eng.close()
+
+
+@gpu
 def test_autotune_describe_and_buckets():
     mod = make_torch("lstm", 32, 64, 2, False, seed=17)
     model = model_from_torch(mod, max_batch_size=64)
@@ -324,6 +339,16 @@ def test_autotune_describe_and_buckets():
         assert info["weights_upload"][0]["mode"] == "single copy"
         assert [b["layout"] for b in info["layouts"]] and all(
             b["layout"] in ("batch_major", "seq_major") and "batch_major_ms" in b for b in info["layouts"])
+        # graphs on: both layouts timed as replays at both tuning lengths, and the chosen one's times are
+        # the bucket's replay line, the GPU time the planner uses for those algorithms
+        table = eng._table
+        for row in info["layouts"]:
+            assert row["timed"] == "replay", row
+            assert all(row[f"{n}_ms"] > 0 and row[f"{n}_long_ms"] > 0 for n in ("batch_major", "seq_major"))
+            line = table.replay_lines[row["bucket"]]
+            assert line.time_ms == row[f"{row['layout']}_ms"] and line.long_ms == row[f"{row['layout']}_long_ms"]
+            if line.algos == line.long_algos:
+                assert table.gpu_ms(line.algos, row["bucket"], table.long_steps) == pytest.approx(line.long_ms)
         assert info["load_ms"] < 30000
         for batch, lengths in ((1, None), (5, np.array([20, 1, 7, 20, 20])), (64, None), (37, None)):
             x = rand((batch, 20, 32), seed=batch)

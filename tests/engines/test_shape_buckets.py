@@ -94,3 +94,15 @@ def test_a_launch_bound_model_pads_to_reach_a_graph_within_what_a_replay_saves()
     assert steps == 208
     # a call whose launches cost less than its GPU work saves nothing by a replay: the least budget again
     assert pad_budget(_launch_bound_table(0.05), 20, 197) == pytest.approx(0.1)
+
+
+def test_padding_is_weighed_by_replay_lines_where_the_table_has_them():
+    """Bucketed shapes are what a replay costs: where the whole model replayed in its served layout barely grows
+    with rows, rows pad to the bucket even if the blocks' own lines (timed batch-major) say otherwise."""
+    from service.engines.cudnn.autotune import ReplayLine
+
+    table = _table(ms_per_step=0.05, ms_per_row=0.5)
+    assert graph_shape(table, 19, 150) == (19, 150)
+    for b in table.buckets:
+        table.set_replay_line(b, ReplayLine((1,), (1,), 0.2 + 0.001 * b, 0.8 + 0.001 * b))
+    assert graph_shape(table, 19, 150) == (32, 160)

@@ -42,6 +42,14 @@ whose buckets all chose STANDARD (H=256, 2 layers: persistent kernels lose from 
 tied padded with ragged, ran every ragged batch uncaptured, and spent 4.7-6.4 ms of host
 time launching batches of 8-32 sequences whose GPU work, replayed, takes ~1.5 ms (H100,
 bench/results/h100-2026-11-28/; with host lines 1.9-3.5 ms a batch, h100-2026-11-29/).
+
+The per-block lines are timed block by block, batch-major, while a served call runs every block in its
+bucket's IO layout (batch- or sequence-major, :func:`.tuning.tune_layouts`). Where graphs are on, that
+layout tuning replays the whole model in both layouts at both lengths, and the chosen layout's times are
+the bucket's replay line (:class:`ReplayLine`), which :meth:`AlgoTable.gpu_ms` uses for a call with the
+same algorithms. The block lines overstated STANDARD's sequence-major calls (2-layer H=512 LSTM, 32 rows,
+200 steps: 6.2 ms a block, against 7.2 ms for both blocks served), so ragged batches of ~20 ran as 20
+single-sequence calls rather than one padded replay (h100-2026-11-29/).
 """
 from __future__ import annotations
 
@@ -113,13 +121,7 @@ class Trial:
 
     def line(self, short: int, long: int) -> tuple[float, float]:
         """(fixed ms, ms per step) of a line that never exceeds :meth:`cost_ms` at any length >= 0."""
-        if self.long_ms is None or long <= short:
-            return 0.0, self.time_ms / short
-        slope = (self.long_ms - self.time_ms) / (long - short)
-        if slope <= 0.0:
-            return self.time_ms, 0.0
-        fixed = self.time_ms - slope * short
-        return (0.0, self.time_ms / short) if fixed < 0.0 else (fixed, slope)
+        return _lower_line(self.time_ms, self.long_ms, short, long)
 
     def to_dict(self) -> dict:
         d = {"algo": L.ALGO_NAMES[self.algo]}
@@ -136,6 +138,17 @@ class Trial:
         if self.error:
             d["error"] = self.error
         return d
+
+
+def _lower_line(short_ms: float, long_ms: float | None, short: int, long: int) -> tuple[float, float]:
+    """(fixed ms, ms per step) of a line never above :func:`_line_ms` of the same timings at any length >= 0."""
+    if long_ms is None or long <= short:
+        return 0.0, short_ms / short
+    slope = (long_ms - short_ms) / (long - short)
+    if slope <= 0.0:
+        return short_ms, 0.0
+    fixed = short_ms - slope * short
+    return (0.0, short_ms / short) if fixed < 0.0 else (fixed, slope)
 
 
 def _line_ms(short_ms: float, long_ms: float | None, steps: int, short: int, long: int) -> float:
@@ -211,6 +224,17 @@ def choose(bucket: int, trials: dict[int, Trial], forced: int | None = None) -> 
 
 
 @dataclass(frozen=True)
+class ReplayLine:
+    """One bucket's whole-model GPU ms as a graph replay in its chosen layout, at the two tuning lengths,
+    with the algorithms that ran at each (see :func:`.tuning.tune_layouts`)."""
+
+    algos: tuple[int, ...]
+    long_algos: tuple[int, ...]
+    time_ms: float
+    long_ms: float
+
+
+@dataclass(frozen=True)
 class Group:
     """Part of a call run as one cuDNN call per block: ``rows`` (None = whole batch, a slice or an index array)."""
 
@@ -240,6 +264,13 @@ class AlgoTable:
         self._algos: dict[tuple[int, int], tuple[int, ...]] = {}
         # bucket -> (seq_major chosen, {"batch_major": ms, "seq_major": ms}); batch-major when untimed
         self.layouts: dict[int, tuple[bool, dict[str, float | str]]] = {}
+        # bucket -> the whole model replayed in the chosen layout, where timed so (graphs on; see set_replay_line)
+        self.replay_lines: dict[int, ReplayLine] = {}
+
+    def set_replay_line(self, bucket: int, line: ReplayLine) -> None:
+        """Record ``bucket``'s replay line (see :meth:`gpu_ms`)."""
+        self.replay_lines[bucket] = line
+        self.__dict__.pop("_bounds", None)  # the bounds take replay lines in too
 
     def seq_major_for(self, n: int) -> bool:
         """Whether calls of ``n`` equal-length sequences run in cuDNN's sequence-major layout."""
@@ -287,14 +318,17 @@ class AlgoTable:
                 continue
             fixed += min(f for f, _ in lines)
             per_step += min(s for _, s in lines)
+        for r in self.replay_lines.values():  # a whole-model line may undercut the sum of the blocks' least
+            f, step = _lower_line(r.time_ms, r.long_ms, self.steps, self.long_steps)
+            fixed, per_step = min(fixed, f), min(per_step, step)
         return fixed, per_step
 
-    @cached_property
+    @property
     def min_step_ms(self) -> float:
         """A lower bound of any call's ms per step (see ``_bounds``)."""
         return self._bounds[1]
 
-    @cached_property
+    @property
     def min_fixed_ms(self) -> float:
         """A lower bound of any call's fixed ms (see ``_bounds``)."""
         return self._bounds[0]
@@ -319,10 +353,22 @@ class AlgoTable:
             return 0.0
         return trial.launch_ms(steps, self.steps, self.long_steps)
 
+    def gpu_ms(self, algos: tuple[int, ...], n: int, steps: int) -> float:
+        """Estimated GPU ms of one call running ``algos`` (one per block) on ``n`` sequences of ``steps`` steps.
+
+        The bucket's replay line where it was timed with these algorithms at both lengths: the whole model in
+        the layout it is served in. Else the sum of the blocks' lines (timed batch-major, block by block).
+        """
+        line = self.replay_lines.get(self.bucket_for(n))
+        if line is not None and algos == line.algos == line.long_algos:
+            ms = _line_ms(line.time_ms, line.long_ms, steps, self.steps, self.long_steps)
+            return ms * n / self.biggest if n > self.biggest else ms
+        return sum(self.cost_ms(k, a, n, steps) for k, a in enumerate(algos))
+
     def call_ms(self, algos: tuple[int, ...], n: int, steps: int, captured: bool) -> float:
         """Estimated ms of one call running ``algos`` (one per block): its GPU time, and where it runs
         uncaptured (not ``captured``, or no graphs), at least its host launches (the thread is busy that long)."""
-        gpu = sum(self.cost_ms(k, a, n, steps) for k, a in enumerate(algos))
+        gpu = self.gpu_ms(algos, n, steps)
         if captured and self.graphs:
             return gpu
         return max(gpu, sum(self.launch_ms(k, a, n, steps) for k, a in enumerate(algos)))

@@ -16,6 +16,7 @@ results are returned as float32, since NumPy and CuPy have no bfloat16 dtype.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import replace
@@ -153,7 +154,7 @@ class CudnnEngine(Engine):
                 self._buckets = batch_buckets(self.max_batch_size, buckets)
                 budget = cfg.cuda_graph_memory_mb if graph_memory_mb is None else int(graph_memory_mb)
                 self._table = self._tune(autotune, steps, graph=budget > 0)
-                self._tune_layouts(autotune, steps)
+                self._tune_layouts(autotune, steps, budget << 20)
                 warm_paths(self, steps)
                 for runner in self._runners:  # (a forced PERSIST_DYNAMIC, for tests and benches, still builds)
                     runner.builds_allowed = self._forced == L.ALGO_PERSIST_DYNAMIC
@@ -204,14 +205,25 @@ class CudnnEngine(Engine):
         return tune_table(self._runners, self._conv, self._buckets, steps, self._forced, autotune,
                           tolerance(self.precision, self.allow_tf32), graph)
 
-    def _tune_layouts(self, autotune: bool, steps: int) -> None:
+    def _tune_layouts(self, autotune: bool, steps: int, graph_bytes: int) -> None:
         if self._layout is not None or not autotune:
             forced = self._layout == "seq_major"
             self._table.layouts = {b: (forced, {"forced": self._layout} if self._layout else {})
                                    for b in self._buckets}
             return
-        tune_layouts(self._table, self._run_blocks, self._uniform, self._conv, self.spec.input_size, steps,
-                     self._ctx.stream)
+        replay_ms = None
+        if graph_bytes > 0:  # served calls replay graphs: time the layouts as replays, on graphs of their own
+            timing = GraphRuns(self._cp, self._ctx, self._runners, self._prec.store, graph_bytes, logging.DEBUG)
+            features = self.spec.input_size
+
+            def replay_ms(n: int, t: int, algos: tuple[int, ...], seq_major: bool) -> float | None:
+                return timing.replay_ms(n, t, self._uniform(n, t), algos, seq_major, features)
+        try:
+            tune_layouts(self._table, self._run_blocks, self._uniform, self._conv, self.spec.input_size, steps,
+                         self._ctx.stream, replay_ms)
+        finally:
+            if replay_ms is not None:
+                timing.close()
 
     # -- contract ---------------------------------------------------------------------------------
 

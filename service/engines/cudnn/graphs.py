@@ -94,8 +94,10 @@ class _Captured:
 class GraphRuns:
     """Captured graphs of one engine's equal-length calls, keyed by shape, algorithms and states given."""
 
-    def __init__(self, cp: Any, ctx: Any, runners: Sequence[Any], store: Any, budget_bytes: int) -> None:
+    def __init__(self, cp: Any, ctx: Any, runners: Sequence[Any], store: Any, budget_bytes: int,
+                 log_level: int = logging.INFO) -> None:
         self.cp = cp
+        self.log_level = log_level  # of each capture's note (the autotuner's timing captures: DEBUG)
         self.ctx = ctx
         self.runners = list(runners)
         self.store = store
@@ -128,7 +130,7 @@ class GraphRuns:
         mask = tuple((s[0] is not None, s[1] is not None) for s in states) if states is not None else None
         key = (n, t, algos, seq_major, mask, x.shape[2])
         got = self.find(key, lambda: self._capture(key, n, t, lens_key, lens_host, lens_dev, mask, algos,
-                                                   seq_major, x))
+                                                   seq_major, int(x.shape[2])))
         if got is None:
             return None
         stream = self.ctx.stream
@@ -193,8 +195,8 @@ class GraphRuns:
         self.captures += 1
         took = time.perf_counter() - started
         self.capture_seconds += took
-        log.info("captured a CUDA graph for %s in %.1f ms (%d graphs, %.1f of %.0f MB, %d evicted so far)",
-                 what, 1e3 * took, len(self._graphs), self.bytes / 2**20, self.budget / 2**20, self.evictions)
+        log.log(self.log_level, "captured a CUDA graph for %s in %.1f ms (%d graphs, %.1f of %.0f MB, %d evicted so far)",
+                what, 1e3 * took, len(self._graphs), self.bytes / 2**20, self.budget / 2**20, self.evictions)
 
     def failed(self, key: tuple, what: str, exc: BaseException) -> None:
         """``key``'s capture failed: its calls run uncaptured from now on."""
@@ -250,11 +252,31 @@ class GraphRuns:
         if dst.nbytes:
             self.cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, dst.nbytes, _D2D, stream.ptr)
 
-    def _capture(self, key, n, t, lens_key, lens_host, lens_dev, mask, algos, seq_major, x) -> _Captured | None:
+    def replay_ms(self, n: int, t: int, uniform: tuple, algos: tuple[int, ...], seq_major: bool,
+                  features: int) -> float | None:
+        """GPU ms of one replay of an equal-length call of ``n`` rows and ``t`` steps in this layout (input
+        transpose included, launches not): what a served replay of that shape costs. Captured now on buffers
+        of its own, which are dropped after; ``uniform``: (lens_key, lens_host, lens_dev) of the shape. None
+        when it cannot be captured (then it is not replayed when served either)."""
+        from .autotune import time_call
+
+        key = ("timing", n, t, algos, seq_major, features)
+        got = self._capture(key, n, t, *uniform, None, algos, seq_major, features)
+        if got is None:
+            return None
+        stream = self.ctx.stream
+        try:
+            return time_call(lambda: got.graph.launch(stream), stream)
+        finally:
+            self._graphs.pop(key, None)
+            self.bytes -= got.nbytes
+
+    def _capture(self, key, n, t, lens_key, lens_host, lens_dev, mask, algos, seq_major,
+                 features: int) -> _Captured | None:
         cp, store, stream = self.cp, self.store, self.ctx.stream
         started = time.perf_counter()
         try:
-            x_s = cp.zeros((n, t, x.shape[2]), store)
+            x_s = cp.zeros((n, t, features), store)
             states, hys, cys, ys, keep = [], [], [], [], [lens_dev]
             for k, runner in enumerate(self.runners):
                 blk = runner.spec
@@ -265,7 +287,7 @@ class GraphRuns:
                 hys.append(cp.empty((rows, n, blk.output_size), store))
                 cys.append(cp.empty((rows, n, blk.hidden_size), store) if blk.cell == "lstm" else None)
                 ys.append(cp.empty((t, n, runner.out_features) if seq_major else (n, t, runner.out_features), store))
-            inp0 = cp.empty((t, n, x.shape[2]), store) if seq_major else x_s
+            inp0 = cp.empty((t, n, features), store) if seq_major else x_s
             work = max(r.work_size(a, n, t, lens_key, lens_host, seq_major) for r, a in zip(self.runners, algos))
             keep += [inp0, *ys]
             nbytes = sum(a.nbytes for a in keep[1:] + [x_s] + hys + [c for c in cys if c is not None]

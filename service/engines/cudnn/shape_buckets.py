@@ -47,7 +47,7 @@ def round_steps(steps: int, per_octave: int) -> int:
 
 
 def _cost(table: AlgoTable, n: int, steps: int) -> float:
-    return sum(table.cost_ms(k, a, n, steps) for k, a in enumerate(table.algos_for(n, steps)))
+    return table.gpu_ms(table.algos_for(min(n, table.biggest), steps), n, steps)
 
 
 def pad_budget(table: AlgoTable, n: int, steps: int) -> float:

@@ -7,7 +7,7 @@ import numpy as np
 
 from ...errors import EngineUnavailable
 from . import library as L
-from .autotune import LONG_FACTOR, AlgoTable, BucketChoice, Trial, choose, host_call_ms, time_call
+from .autotune import LONG_FACTOR, AlgoTable, BucketChoice, ReplayLine, Trial, choose, host_call_ms, time_call
 from .block import AlgorithmRejected, BlockRunner
 from .transfer import Converter
 
@@ -172,7 +172,8 @@ class _LongRun:
         return gpu, (host_call_ms(run, stream) if self.graph else None)
 
 
-def tune_layouts(table, run_blocks, uniform, conv: Converter, input_size: int, steps: int, stream) -> None:
+def tune_layouts(table: AlgoTable, run_blocks, uniform, conv: Converter, input_size: int, steps: int, stream,
+                 replay_ms=None) -> None:
     """Per bucket, time the whole model with batch-major IO and with sequence-major IO (our input
     transpose included) on the bucket's algorithms, and record the faster in ``table.layouts``.
 
@@ -181,21 +182,51 @@ def tune_layouts(table, run_blocks, uniform, conv: Converter, input_size: int, s
     ``LAYOUT_MARGIN``: the two are often within timing noise of each other at load, and
     a noisy pick of batch-major left STANDARD-algorithm shapes 4-10 % behind PyTorch's
     sequence-major runs of the same kernel (H200 benchmark, 2026-11-22).
+
+    ``replay_ms(n, t, algos, seq_major)`` (where the engine replays graphs; see
+    :meth:`.graphs.GraphRuns.replay_ms`): each layout is timed as a graph replay at both tuning lengths,
+    and the chosen layout's two times become the bucket's replay line (:attr:`AlgoTable.replay_lines`),
+    which the planner then uses for its GPU time instead of the per-block lines (timed batch-major).
+    Timed uncaptured instead, a STANDARD bucket's call is launch-bound, so both layouts read the same host
+    time and the choice was noise (1.7-2.4 ms for each at every bucket from 8 rows, 2-layer H=256 and
+    H=512 LSTMs, H100); and the per-block lines overstated a sequence-major call (H=512, 32 rows, 200
+    steps: 6.2 ms a block, against 7.2 ms served for both blocks).
     """
     import cupy as cp
 
     rng = cp.random.RandomState(4321)
+    lengths = (table.steps, table.long_steps) if replay_ms is not None and table.long_steps != table.steps \
+        else (table.steps,)
     for bucket in table.buckets:
-        x = conv.to_store(rng.uniform(-1.0, 1.0, (bucket, steps, input_size), dtype=np.float32))
-        lens = uniform(bucket, steps)
-        algos = table.algos_for(bucket)
-        times: dict[str, float | str] = {}
+        algos = [table.algos_for(bucket, t) for t in lengths]
+        x = None
+        times: dict[str, float | str] = {"timed": "replay" if replay_ms is not None else "uncaptured"}
+        totals: dict[bool, float | None] = {}
         for seq_major in (False, True):
             name = "seq_major" if seq_major else "batch_major"
+            got: list[float] = []
             try:
-                ms = time_call(lambda: run_blocks(x, bucket, steps, *lens, None, algos, seq_major), stream, reps=5)
-                times[f"{name}_ms"] = round(ms, 4)
+                for t, a in zip(lengths, algos):
+                    ms = None if replay_ms is None else replay_ms(bucket, t, a, seq_major)
+                    if ms is None:  # no graph of this shape: served uncaptured, so timed so
+                        if x is None or x.shape[1] != t:
+                            x = conv.to_store(rng.uniform(-1.0, 1.0, (bucket, t, input_size), dtype=np.float32))
+                        lens = uniform(bucket, t)
+                        ms = time_call(lambda: run_blocks(x, bucket, t, *lens, None, a, seq_major), stream, reps=5)
+                        times["timed"] = "uncaptured"
+                    got.append(ms)
             except (L.CudnnError, AlgorithmRejected) as exc:
                 times[f"{name}_error"] = str(exc)[:200]
-        sm, bm = times.get("seq_major_ms"), times.get("batch_major_ms")
-        table.layouts[bucket] = (sm is not None and (bm is None or sm <= bm * (1 + LAYOUT_MARGIN)), times)
+                totals[seq_major] = None
+                continue
+            times[f"{name}_ms"] = round(got[0], 4)
+            if len(got) > 1:
+                times[f"{name}_long_ms"] = round(got[1], 4)
+            totals[seq_major] = sum(got)
+        sm, bm = totals.get(True), totals.get(False)
+        chosen = sm is not None and (bm is None or sm <= bm * (1 + LAYOUT_MARGIN))
+        table.layouts[bucket] = (chosen, times)
+        name = "seq_major" if chosen else "batch_major"
+        if times["timed"] == "replay" and f"{name}_long_ms" in times:
+            table.set_replay_line(bucket, ReplayLine(algos[0], algos[1], times[f"{name}_ms"],
+                                                     times[f"{name}_long_ms"]))
