@@ -95,6 +95,7 @@ def explain(engine: CudnnEngine, work: list) -> None:
     from service.engines.cudnn.shape_buckets import pad_budget
 
     table = engine._table
+    print(f"    engine load {engine.load_ms:.0f} ms")
     for k, per in enumerate(table.choices):
         cells = []
         for choice in per:
