@@ -309,3 +309,45 @@ def test_plan_pruning_with_replay_lines_never_changes_the_choice(pad_ok):
         table.set_replay_line(8, ReplayLine((0, 0), (0, 0), 0.05, 0.2))
         return table
     _check_pruning(make, np.random.default_rng(12), 40, 200, pad_ok)
+
+
+# -- chunks: the longest rows and the rest, each run padded ---------------------------------------------
+
+def _rows_cost_table(ms_per_row: float) -> AlgoTable:
+    """One block, STANDARD everywhere, replayed: at 200 steps a call costs 0.5 ms + ``ms_per_row`` a row (at
+    its bucket), and a quarter of that at 50 steps; launches are expensive (ragged calls are launch-bound)."""
+    per, lines = [], {}
+    for b in (1, 2, 4, 8, 16, 32, 64):
+        std = Trial(0, time_ms=(0.5 + ms_per_row * b) / 4, long_ms=0.5 + ms_per_row * b, host_ms=1.3,
+                    long_host_ms=5.2)
+        per.append(choose(b, {0: std}))
+    return AlgoTable((1, 2, 4, 8, 16, 32, 64), [per], steps=50, long_steps=200, graphs=True)
+
+
+def test_a_ragged_batch_whose_rows_cost_runs_as_its_longest_rows_and_the_rest():
+    lengths = np.append(np.random.default_rng(7).integers(20, 120, size=19), 200)
+    (long, rest) = plan(_rows_cost_table(0.1), 20, 200, lengths, pad_ok=True)
+    assert long.padded and rest.padded and long.uniform and rest.uniform
+    assert sorted(np.concatenate([long.rows, rest.rows]).tolist()) == list(range(20))
+    assert long.steps == 200 and rest.steps == int(lengths[rest.rows].max())
+    assert lengths[long.rows].min() >= lengths[rest.rows].max()  # the longest rows run at the full length
+    assert (long.n, rest.n) == (len(long.rows), len(rest.rows)) and long.n in (1, 2, 4, 8, 16)
+    # a latency-bound model (rows cost nothing): one padded call
+    (g,) = plan(_rows_cost_table(0.0), 20, 200, lengths, pad_ok=True)
+    assert g.rows is None and not g.padded
+    # final states wanted: no padding, so no chunks
+    assert not any(g.padded for g in plan(_rows_cost_table(0.1), 20, 200, lengths, pad_ok=False))
+
+
+def test_chunks_follow_the_h512_timings():
+    """The H100's 2-layer H=512 LSTM, replayed (bench/results/h100-2026-11-30/): 16 rows at 200 steps take 2.7
+    ms, 32 rows 6.1 ms; a batch of 20 then runs its 16 longest rows and the other 4 apart."""
+    per = []
+    times = {1: (0.14, 0.49), 2: (0.22, 0.81), 4: (0.32, 1.19), 8: (0.54, 1.96), 16: (0.78, 2.73), 32: (1.6, 6.05),
+             64: (1.39, 5.41)}
+    for b, (short, long) in times.items():
+        per.append(choose(b, {0: Trial(0, time_ms=short, long_ms=long, host_ms=1.5, long_host_ms=5.9)}))
+    table = AlgoTable(tuple(times), [per], steps=50, long_steps=200, graphs=True)
+    lengths = np.append(np.random.default_rng(8).integers(20, 201, size=19), 200)
+    long, rest = plan(table, 20, 200, lengths, pad_ok=True)
+    assert (long.n, rest.n) == (16, 4)

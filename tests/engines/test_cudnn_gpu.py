@@ -649,6 +649,48 @@ def test_padded_run_without_states_is_exact(monkeypatch, cell):
 
 
 @gpu
+@pytest.mark.parametrize("cell,with_h0,last_only", [("lstm", False, True), ("gru", True, False), ("lstm", True, False)])
+def test_chunked_padded_runs_are_exact(monkeypatch, cell, with_h0, last_only):
+    """A ragged batch split into its longest rows and the rest, each run padded (autotune._two_chunks, forced
+    here whatever it costs): outputs equal the reference engine's, zeros past each length, no final states.
+    Run three times, so that the chunks' shapes replay graphs."""
+    import service.engines.cudnn.engine as engine_module
+    import service.engines.cudnn.fused as fused_module
+    from service.engines.cudnn.autotune import _two_chunks
+
+    def chunked_plan(table, b, t, lens, pad_ok=False):
+        assert pad_ok
+        got = _two_chunks(table, b, t, lens, float("inf"))
+        assert got is not None and len(got[1]) == 2
+        return got[1]
+
+    mod = make_torch(cell, 6, 24, 2, False, seed=53)
+    model = model_from_torch(mod, max_batch_size=16)
+    rows = model.spec.state_layers
+    x, lengths = rand((11, 17, 6), seed=54), np.array([3, 17, 9, 1, 17, 12, 5, 8, 16, 2, 11])
+    h0 = rand((11, rows, 24), 55, 0.5) if with_h0 else None
+    c0 = rand((11, rows, 24), 56, 0.5) if with_h0 and cell == "lstm" else None
+    ref = reference_run(model, x, lengths, h0, c0)
+    eng = CudnnEngine(model)
+    try:
+        monkeypatch.setattr(engine_module, "plan", chunked_plan)
+        monkeypatch.setattr(fused_module, "plan", chunked_plan)  # two groups: not a fused call
+        for _ in range(3):
+            out = eng.forward(x, lengths, h0, c0, states_needed=False, last_only=last_only)
+            assert out.h_n is None and out.c_n is None
+            if last_only:
+                want = ref.output[np.arange(11), lengths - 1]
+                np.testing.assert_allclose(out.last, want, rtol=RTOL, atol=ATOL)
+            else:
+                np.testing.assert_allclose(out.output, ref.output, rtol=RTOL, atol=ATOL)
+                assert not out.output[3, 1:].any() and not out.output[0, 3:].any()
+        graphs = eng.describe()["cuda_graphs"]
+        assert graphs["replays"] >= 2, graphs
+    finally:
+        eng.close()
+
+
+@gpu
 def test_bidirectional_is_never_padded():
     mod = make_torch("lstm", 6, 16, 1, True, seed=47)
     model = model_from_torch(mod)

@@ -464,6 +464,12 @@ class CudnnEngine(Engine):
                 dev_lens = ragged_lens if ragged_lens is not None else cp.asarray(lens.astype(np.int32))
                 y *= (cp.arange(t, dtype=cp.int32)[None, :] < dev_lens[:, None])[:, :, None]
             return y, None, None, None, None
+        if groups[0].padded:  # chunks, each run padded (see autotune.plan): no valid final states either
+            y = self._run_groups(groups, x_d, b, t, states, None, None)
+            if zero_padding:
+                dev_lens = ragged_lens if ragged_lens is not None else cp.asarray(lens.astype(np.int32))
+                y *= (cp.arange(t, dtype=cp.int32)[None, :] < dev_lens[:, None])[:, :, None]
+            return y, None, None, None, None
         hy, cy, hys, cys = self._new_states(b)
         if g is not None:
             if g.uniform:
@@ -552,7 +558,8 @@ class CudnnEngine(Engine):
         return y if y is None or shape[0] == n else y[:n]
 
     def _run_groups(self, groups: list[Group], x, b, t, states, hys, cys):
-        """Equal-length groups (see autotune.plan), each gathered, run and scattered back into hys/cys."""
+        """Equal-length groups or padded chunks (see autotune.plan), each gathered, run and scattered back into
+        hys/cys (None: chunks, whose final states are not valid)."""
         cp, store = self._cp, self._prec.store
         y = cp.zeros((b, t, self.spec.output_size), store)
         for g in groups:
@@ -564,12 +571,17 @@ class CudnnEngine(Engine):
             states_g = None if states is None else [
                 tuple(None if a is None else cp.ascontiguousarray(a[:, rows]) for a in st) for st in states]
             lens_key, lens_host, lens_dev = self._uniform(g.n, g.steps)
+            shape = self._shapes.padded(g.n, g.steps) if g.padded and states_g is None else None
             yg, hyg, cyg = self._run_blocks(xg, g.n, g.steps, lens_key, lens_host, lens_dev, states_g,
-                                            g.algos, g.seq_major)
+                                            g.algos, g.seq_major, graph_shape=shape, finals=not g.padded)
+            if yg.shape[1] != g.steps:
+                yg = yg[:, :g.steps]  # a graph of a bucketed shape ran more steps
             if g.steps == t:
                 y[rows] = yg
             else:
                 y[rows, :g.steps] = yg
+            if hys is None:
+                continue
             for k in range(len(hys)):
                 hys[k][:, rows] = hyg[k]
                 if cys[k] is not None:
