@@ -6,9 +6,10 @@ Per model size (H, layers) and B, three sides on the same batches, in one run:
 
 * ``rnnserve``: the engine as it serves (``engine.launch`` from NumPy, ``wait``, ``finish``);
 * a second engine planning as an earlier round did (``--compare``):
-  ``replay-lines`` (the default) removes the whole-model replay lines that the layout tuning records,
-  so the planner weighs calls by the per-block lines timed batch-major (the 2026-11-29 round; a 2-layer
-  H=512 LSTM's ragged batches of ~20 then ran as groups of single sequences);
+  ``replay-lines`` removes the whole-model replay lines that the layout tuning records,
+  so the planner weighs calls by the per-block lines, timed batch-major (the 2026-11-29 round);
+  ``chunks`` (the default) plans without splitting a padded batch into its longest rows and the rest (as before
+  2026-11-30), with everything else as it is;
   ``host-lines`` also removes the autotuner's host lines, which is how it planned ragged batches before
   that round (a ragged batch of a model whose buckets chose STANDARD then ran uncaptured: its per-step
   launches on the host);
@@ -46,8 +47,12 @@ from service.engines.cudnn.shape_buckets import GraphShapes  # noqa: E402
 
 
 def as_before(engine: CudnnEngine, compare: str) -> None:
-    """Plan and pad as an earlier round did: without the replay lines, and for ``host-lines`` also without the
-    host lines (GPU times only)."""
+    """Plan and pad as an earlier round did: without chunks (``chunks``), or without the replay lines, and for
+    ``host-lines`` also without the host lines (GPU times only)."""
+    if compare == "chunks":
+        engine._table.chunks = False
+        engine._plans.clear()
+        return
     engine._table.replay_lines.clear()
     engine._table.__dict__.pop("_bounds", None)
     if compare == "host-lines":
@@ -157,7 +162,7 @@ def main() -> int:
     ap.add_argument("--max-len", type=int, default=200)
     ap.add_argument("--max-batch-size", type=int, default=64)
     ap.add_argument("--explain", action="store_true", help="print the autotuner's lines and a few batches' plans")
-    ap.add_argument("--compare", choices=("replay-lines", "host-lines"), default="replay-lines",
+    ap.add_argument("--compare", choices=("chunks", "replay-lines", "host-lines"), default="chunks",
                     help="what the second engine plans without (see the docstring)")
     args = ap.parse_args()
 

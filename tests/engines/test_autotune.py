@@ -255,9 +255,9 @@ def test_plan_pruning_with_host_lines_never_changes_the_choice(pad_ok):
 # -- replay lines: the whole model replayed in its chosen IO layout ------------------------------------
 
 def _h512_like_table(replayed: bool) -> AlgoTable:
-    """Shaped like the H100's 2-layer LSTM H=512: single sequences run a persistent kernel (one launch a block),
-    from 2 rows STANDARD; its per-block lines, timed batch-major, read 1.6 / 6.2 ms a block at 32 rows, while
-    the whole model replayed sequence-major takes 2.0 / 7.2 ms (``replayed``: that replay line is recorded)."""
+    """Two blocks; single sequences run a persistent kernel (one launch a block), from 2 rows STANDARD, whose
+    block lines (timed batch-major) read 1.6 / 6.2 ms a block at 32 rows; the whole model replayed in its
+    served layout takes 2.0 / 7.2 ms (``replayed``: that replay line is recorded)."""
     per = []
     for b in (1, 2, 4, 8, 16, 32):
         std = Trial(0, time_ms=1.6 * (0.5 + b / 64), long_ms=6.2 * (0.5 + b / 64), host_ms=1.3, long_host_ms=5.2)
@@ -284,9 +284,8 @@ def test_a_replay_line_is_the_gpu_time_of_the_calls_it_was_timed_with():
 
 
 def test_a_replay_line_below_the_blocks_lines_makes_a_ragged_batch_run_padded():
-    """The H=512 finding (bench/results/h100-2026-11-29/): with batch-major block lines the padded call at 32
-    rows looked dearer than 20 single sequences, so a ragged batch of 20 ran as 20 calls; the whole model
-    replayed as served says otherwise."""
+    """Where the whole model replayed in its served layout costs less than the sum of its blocks' lines, the padded
+    call is weighed at that: here one padded replay instead of 20 single-sequence calls."""
     lengths = np.append(np.random.default_rng(5).choice(np.arange(20, 200), size=19, replace=False), 200)
     groups = plan(_h512_like_table(replayed=False), 20, 200, lengths, pad_ok=True)
     assert len(groups) == 20 and all(g.n == 1 and g.algos == (1, 1) for g in groups)
@@ -341,7 +340,7 @@ def test_a_ragged_batch_whose_rows_cost_runs_as_its_longest_rows_and_the_rest():
 
 def test_chunks_follow_the_h512_timings():
     """The H100's 2-layer H=512 LSTM, replayed (bench/results/h100-2026-11-30/): 16 rows at 200 steps take 2.7
-    ms, 32 rows 6.1 ms; a batch of 20 then runs its 16 longest rows and the other 4 apart."""
+    ms, 32 rows 6.1 ms; a ragged batch of 20 then runs its 16 longest rows and the other 4 apart."""
     per = []
     times = {1: (0.14, 0.49), 2: (0.22, 0.81), 4: (0.32, 1.19), 8: (0.54, 1.96), 16: (0.78, 2.73), 32: (1.6, 6.05),
              64: (1.39, 5.41)}

@@ -47,9 +47,12 @@ The per-block lines are timed block by block, batch-major, while a served call r
 bucket's IO layout (batch- or sequence-major, :func:`.tuning.tune_layouts`). Where graphs are on, that
 layout tuning replays the whole model in both layouts at both lengths, and the chosen layout's times are
 the bucket's replay line (:class:`ReplayLine`), which :meth:`AlgoTable.gpu_ms` uses for a call with the
-same algorithms. The block lines overstated STANDARD's sequence-major calls (2-layer H=512 LSTM, 32 rows,
-200 steps: 6.2 ms a block, against 7.2 ms for both blocks served), so ragged batches of ~20 ran as 20
-single-sequence calls rather than one padded replay (h100-2026-11-29/).
+same algorithms. (For the bench LSTMs the two layouts replay within 3 % of each other, and a multi-layer
+LSTM is one block, so the replay line and the block line agree there; they part for models of several
+blocks, and where one layout is slower.)
+
+Where a call's GPU time grows with its rows, a ragged batch that runs padded may instead run as two
+chunks, its longest rows at the full length and the rest at their own longest (:func:`_two_chunks`).
 """
 from __future__ import annotations
 
@@ -65,7 +68,9 @@ from . import library as L
 PERSISTENT_MARGIN = 0.95      # a persistent algorithm must take < 95% of STANDARD's time
 GROUP_OVERHEAD_MS = 0.03      # gather + scatter + launches per equal-length group (estimate)
 MAX_GROUPS = 32
-CHUNK_OVERHEAD_MS = 0.15      # a call split in two chunks: gathers, scatters and a second replay's copies (estimate)
+# A call split in two chunks runs off the fused path: its upload, gathers, scatters and a second replay's copies
+# held the host 0.3-0.5 ms longer than one fused padded call (H100, bench/ragged_batches.py launch host ms).
+CHUNK_OVERHEAD_MS = 0.4
 LONG_FACTOR = 4               # the second tuning length is this many times the first
 
 
@@ -270,6 +275,7 @@ class AlgoTable:
         self._algos: dict[tuple[int, int], tuple[int, ...]] = {}
         # bucket -> (seq_major chosen, {"batch_major": ms, "seq_major": ms}); batch-major when untimed
         self.layouts: dict[int, tuple[bool, dict[str, float | str]]] = {}
+        self.chunks = True  # padded calls may split in two (see _two_chunks; benches compare without)
         # bucket -> the whole model replayed in the chosen layout, where timed so (graphs on; see set_replay_line)
         self.replay_lines: dict[int, ReplayLine] = {}
 
@@ -411,7 +417,8 @@ def plan(table: AlgoTable, batch: int, steps: int, lengths: np.ndarray, pad_ok: 
         algos = table.algos_for(batch, steps)
         padded_cost = table.call_ms(algos, batch, steps, captured=True)
         options.append((padded_cost, [Group(None, batch, steps, algos, True, table.seq_major_for(batch))]))
-        chunks = _two_chunks(table, batch, steps, lengths, min(cost for cost, _ in options))
+        chunks = _two_chunks(table, batch, steps, lengths, min(cost for cost, _ in options)) \
+            if table.chunks else None
         if chunks is not None:
             options.append(chunks)
     if table.forced is None:
