@@ -469,7 +469,8 @@ def _two_chunks(table: AlgoTable, batch: int, steps: int, lengths: np.ndarray,
     first = table.buckets[0]
     if batch <= first:
         return None
-    # a lower bound: the longest row alone at the full length
+    # skipped when the longest row alone at the full length costs too much (a bound where, as usual, a bucket
+    # costs no less than the one below it): a latency-bound model never splits, at one estimate per batch
     if table.call_ms(table.algos_for(first, steps), first, steps, captured=True) + CHUNK_OVERHEAD_MS >= best:
         return None
     order = np.argsort(-lengths, kind="stable")
