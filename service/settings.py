@@ -48,6 +48,12 @@ class ServeSettings(BaseSettings):
     stream_idle_timeout_s: float = Field(
         60.0, gt=0, description="Default seconds a stateful stream may go without a chunk before its state is dropped."
     )
+    frontend_in_flight: int = Field(
+        2, ge=1, le=64,
+        description="Default messages each front-end process keeps in the engine process per model (with "
+                    "--frontends); requests validated meanwhile wait and leave merged. Raise it (4-8) for larger, "
+                    "GPU-bound models, whose batches cost about the same with more rows.",
+    )
     max_request_bytes: int = Field(
         64 * 1024 * 1024, ge=1024, description="Largest request body (HTTP) or message (gRPC) accepted, in bytes."
     )

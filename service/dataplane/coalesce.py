@@ -3,9 +3,9 @@
 Under load the engine process's one Python thread is the limit of `rnnserve serve
 --frontends N` (H100 host, binary HTTP at concurrency 64: the engine process busy 93 %),
 and most of its work is per message: unpickling, queueing, answering and counting
-each request. A front-end therefore keeps at most :data:`MAX_IN_FLIGHT` messages per
-model in the engine process; requests that are validated while those run wait here
-and leave together, merged into one :class:`~.view.Prepared` (``requests`` = how many),
+each request. A front-end therefore keeps at most a few messages per model in the engine
+process (the model's ``frontend_in_flight``, default :data:`MAX_IN_FLIGHT`); requests that
+are validated while those run wait here and leave together, merged into one :class:`~.view.Prepared` (``requests`` = how many),
 as soon as one of them is answered. At low load nothing waits: a request leaves in the
 event-loop iteration after it was validated. Merging pads with zeros to the longest
 valid length and splitting re-pads each answer to its own request's length, exactly as
@@ -35,6 +35,10 @@ from .view import ModelView, Prepared
 # batches at once (one computing, the next one launched behind it), so two keep it fed. On one
 # H100 host at concurrency 64: 9,939 req/s with 2, 9,275 with 1, 7,746 with 4
 # (bench/results/h100-2026-11-22b/experiment_lanes_concurrency.log).
+# A larger model whose batches are GPU-bound and cost about the same with more rows batches more with more
+# messages out: 2-layer LSTMs at concurrency 64, binary HTTP, 8 front-ends, one H100 host, limit 2 / 4 / 8:
+# H=512 3,198 / 4,011 / 4,102 req/s (batches of 13 / 22 / 29), H=256 5,179 / 6,301 / 7,448
+# (bench/results/h100-2026-11-30/). Each model's config.json (``frontend_in_flight``) sets its own.
 MAX_IN_FLIGHT = 2
 MAX_CHUNKS = 64  # stream chunks per message (ChunkLane)
 # At debug level a message whose requests took this long from their submit to its answer is logged with
@@ -56,7 +60,7 @@ class _Entry:
 
 
 class _Coalescing(ABC):
-    """What both lanes share: requests wait while :data:`MAX_IN_FLIGHT` messages are out, the ones that
+    """What both lanes share: requests wait while ``limit`` messages are out, the ones that
     waited leave together, and a message's outcome goes back to each of its requests.
 
     A subclass picks a message's requests (``_take``), sends them (``_send_group``, returning the
@@ -65,9 +69,10 @@ class _Coalescing(ABC):
     each of its requests, as it would have each alone.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = MAX_IN_FLIGHT) -> None:
         self._waiting: list[_Entry] = []
         self._in_flight = 0
+        self._limit = max(1, int(limit))  # messages out at once
         self._scheduled = False
 
     def submit(self, prepared: Prepared) -> asyncio.Future:
@@ -75,14 +80,14 @@ class _Coalescing(ABC):
         loop = asyncio.get_running_loop()
         entry = _Entry(prepared, loop.create_future(), time.perf_counter())
         self._waiting.append(entry)
-        if not self._scheduled and self._in_flight < MAX_IN_FLIGHT:
+        if not self._scheduled and self._in_flight < self._limit:
             self._scheduled = True
             loop.call_soon(self._flush)  # requests validated in this loop iteration leave together
         return entry.future
 
     def _flush(self) -> None:
         self._scheduled = False
-        while self._waiting and self._in_flight < MAX_IN_FLIGHT:
+        while self._waiting and self._in_flight < self._limit:
             group = self._take()
             if not group:
                 continue
@@ -140,7 +145,7 @@ class Lane(_Coalescing):
     """
 
     def __init__(self, view: ModelView, send: Callable[[Prepared], asyncio.Future]) -> None:
-        super().__init__()
+        super().__init__(view.frontend_in_flight)
         self.view = view
         self._send = send
 

@@ -32,6 +32,7 @@ class ModelView:
     signature: ModelSignature
     max_sequence_length: int
     max_batch_size: int
+    frontend_in_flight: int = 2  # messages a front-end's lane keeps in the engine process (see .coalesce)
 
 
 @dataclass

@@ -40,7 +40,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 # Fields the server's settings give every model unless its config.json says otherwise.
 DEFAULTED_FIELDS = ("max_batch_size", "max_queue_delay_us", "max_queue_size", "max_sequence_length", "max_streams",
-                    "stream_idle_timeout_s")
+                    "stream_idle_timeout_s", "frontend_in_flight")
 
 
 class ModelState(str, Enum):

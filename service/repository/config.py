@@ -42,6 +42,10 @@ class ModelConfig(BaseModel):
         "latest", description="Which versions to serve: 'latest', 'all' or a list of version numbers."
     )
     max_streams: int = Field(1024, ge=1, description="Live stateful streams at most; more are refused with UNAVAILABLE.")
+    frontend_in_flight: int = Field(
+        2, ge=1, le=64,
+        description="Messages each front-end process keeps in the engine process for this model at once (with front-end processes); requests validated meanwhile wait and leave merged. 2 keeps a small model's engine thread fed with few messages; a larger, GPU-bound model batches more with 4-8 (see README).",
+    )
     stream_idle_timeout_s: float = Field(
         60.0, gt=0, description="A stream with no chunk for this long is dropped with its state."
     )

@@ -98,6 +98,22 @@ async def test_messages_respect_max_batch_size_and_the_in_flight_limit(dataplane
     assert [r["output_last"].shape[0] for r in results] == [w.sequences for w in works]
 
 
+async def test_the_in_flight_limit_is_the_models_frontend_in_flight(tmp_path):
+    """config.json's ``frontend_in_flight`` reaches the front-end's lane through the model's view."""
+    async with lstm_dataplane(tmp_path, seed=5, max_batch_size=2, frontend_in_flight=5) as dp:
+        send = Recorder(dp)
+        assert send.view.frontend_in_flight == 5 and pickle.loads(pickle.dumps(send.view)) == send.view
+        rng = np.random.default_rng(3)
+        works = [_work(rng, 1, 6, [6], {"output_last"}) for _ in range(16)]
+        lane = Lane(send.view, send)
+        futures = [lane.submit(Prepared(w, None, None)) for w in works]
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert [p.requests for p in send.sent] == [2] * 5  # five messages out (not two) before an answer
+        results = await asyncio.gather(*futures)
+        assert sum(p.requests for p in send.sent) == 16 and len(results) == 16
+
+
 async def test_an_error_fails_every_merged_request_and_a_cancelled_one_is_not_sent(dataplane):
     view = dataplane.model_view("lstm")
     sent: list[Prepared] = []
