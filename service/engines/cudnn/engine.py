@@ -460,15 +460,12 @@ class CudnnEngine(Engine):
             y, _, _ = self._run_blocks(x_d, b, t, lens_key, lens_host, lens_dev, states, g.algos, g.seq_major,
                                        graph_shape=shape, finals=False)
             if zero_padding:
-                y = y[:, :t]  # a graph of a bucketed shape ran more steps
-                dev_lens = ragged_lens if ragged_lens is not None else cp.asarray(lens.astype(np.int32))
-                y *= (cp.arange(t, dtype=cp.int32)[None, :] < dev_lens[:, None])[:, :, None]
+                y = self._zero_past(y[:, :t], t, lens, ragged_lens)  # a bucketed graph ran more steps
             return y, None, None, None, None
         if groups[0].padded:  # chunks, each run padded (see autotune.plan): no valid final states either
             y = self._run_groups(groups, x_d, b, t, states, None, None)
             if zero_padding:
-                dev_lens = ragged_lens if ragged_lens is not None else cp.asarray(lens.astype(np.int32))
-                y *= (cp.arange(t, dtype=cp.int32)[None, :] < dev_lens[:, None])[:, :, None]
+                y = self._zero_past(y, t, lens, ragged_lens)
             return y, None, None, None, None
         hy, cy, hys, cys = self._new_states(b)
         if g is not None:
@@ -484,6 +481,13 @@ class CudnnEngine(Engine):
             y = self._run_groups(groups, x_d, b, t, states, hys, cys)
         return y, hy, cy, hys, cys
 
+    def _zero_past(self, y, t, lens, lens_dev=None):
+        """``y`` [b, t, F] with the steps past each row's length zeroed (a padded run computed them)."""
+        cp = self._cp
+        if lens_dev is None:
+            lens_dev = cp.asarray(lens.astype(np.int32))
+        y *= (cp.arange(t, dtype=cp.int32)[None, :] < lens_dev[:, None])[:, :, None]
+        return y
 
     def _last(self, y, b, t, lens, lens_dev=None):
         """Each sequence's many-to-one output row [b, F] of ``y`` (storage dtype), on the device."""
