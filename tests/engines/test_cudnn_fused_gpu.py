@@ -239,3 +239,38 @@ def test_fused_ragged_many_to_one_batches_equal_the_reference(cp, layout):
     finally:
         engine.close()
         plain.close()
+
+
+def test_single_many_to_one_requests_replay_graphs_on_the_step_grid(cp):
+    """Single many-to-one requests of a causal model (what ``max_batch_size`` 1 and light load send) run as fused
+    graphs of the padded shape, not of their own length: every length of 20..200 (181 shapes, each otherwise
+    captured only on its second call) replays one of the step grid's graphs, and each answer equals the
+    reference engine and the same engine without graphs."""
+    model = pool_model(MODELS["lstm-2-layers"], seed=23)
+    engine = _engine(model)
+    plain = _engine(model, graph_memory_mb=0)
+    oracle = ReferenceEngine(model, dtype=np.float64)
+    rng = np.random.default_rng(24)
+    lengths = list(range(20, 201))
+    try:
+        padded = {engine._shapes.padded(1, t) for t in lengths}
+        before = engine.describe()["fused_calls"]
+        for rep in range(2):  # the first pass captures each grid shape on its second call, the second replays
+            for t in rng.permutation(lengths):
+                t = int(t)
+                x = rng.standard_normal((1, t, model.spec.input_size)).astype(np.float32)
+                got = engine.launch(x, np.array([t]), states_needed=False, last_only=True)
+                got.wait()
+                got = got.finish()
+                if rep == 1 and t % 10 == 0:  # the reference is slow: a sample of lengths
+                    ref = oracle.forward(x, np.array([t]))
+                    want = plain.forward(x, np.array([t]), states_needed=False, last_only=True)
+                    np.testing.assert_allclose(got.last, ref.output[:, t - 1], rtol=RTOL, atol=ATOL, err_msg=f"t={t}")
+                    np.testing.assert_allclose(got.last, want.last, rtol=RTOL, atol=ATOL, err_msg=f"t={t}")
+        fused = {(key[1], key[2]) for key in engine._graphs._graphs if key[0] == "fused"}
+        assert fused <= padded, f"fused graphs of shapes off the grid: {sorted(fused - padded)}"
+        assert len(fused) == len(padded), f"{len(fused)} of the grid's {len(padded)} shapes captured"
+        assert engine.describe()["fused_calls"] - before >= len(lengths), "the second pass did not replay"
+    finally:
+        engine.close()
+        plain.close()

@@ -27,10 +27,11 @@ arrays are never replayed again (they age out).
 
 Used for host inputs (arrays, or requests left in front-end arenas: :class:`.host_rows.HostRows`,
 packed on the host here) on float32 and float16 engines, of equal lengths (stream chunks, single
-requests) or a ragged many-to-one batch of a causal model that the plan runs padded (requests of
-different lengths, batched: their lengths are packed with the inputs and pick each row's last
-step inside the graph), of at most ``FUSED_MAX_BYTES`` of input (fused large batches lost batched
-throughput: see there). Other calls take the engine's general path.
+requests) or a many-to-one batch of a causal model that the plan runs padded (requests of different
+lengths, batched, or of one length: their lengths are packed with the inputs and pick each row's last
+step inside the graph, and the graph's steps come from the step grid of :mod:`.shape_buckets`, so
+that a few dozen graphs serve every length), of at most ``FUSED_MAX_BYTES`` of input (fused large
+batches lost batched throughput: see there). Other calls take the engine's general path.
 """
 from __future__ import annotations
 
@@ -144,13 +145,16 @@ class FusedCalls:
                 or b * t * int(x.shape[2]) * 4 > FUSED_MAX_BYTES
                 or not (h0 is None or isinstance(h0, np.ndarray)) or not (c0 is None or isinstance(c0, np.ndarray))):
             return None
-        if int(lens.min()) == t:
+        padded_ok = (last_only and not states_needed and pooled is None and h0 is None and c0 is None
+                     and self.spec.causal)
+        if int(lens.min()) == t and not padded_ok:
             n = shapes.rows(b, t)[0]
             return self.launch(x, b, t, (n, t), uniform(n, t), table.algos_for(n, t), table.seq_major_for(b),
                                h0, c0, pooled, states_needed, last_only, out_dtype)
-        # a ragged many-to-one batch that the plan runs padded (see the engine's _run): the same, with its lengths
-        if not (last_only and not states_needed and pooled is None and h0 is None and c0 is None
-                and self.spec.causal):
+        # A many-to-one batch of a causal model that the plan runs padded (see the engine's _run): the same, with
+        # its lengths. Equal lengths too: single requests of 20..200 steps are 181 shapes, each captured only on its
+        # second call and rate-limited, so most ran uncaptured; on the step grid a few dozen graphs serve them all.
+        if not padded_ok:
             return None
         groups = plan(table, b, t, lens, True)
         if len(groups) != 1 or groups[0].rows is not None or not groups[0].uniform:
