@@ -454,13 +454,17 @@ class CudnnEngine(Engine):
             if uniform_lengths and len(self._plans) < 1024:
                 self._plans[key] = groups
         g = groups[0] if len(groups) == 1 and groups[0].rows is None else None
-        if g is not None and g.uniform and int(lens.min()) < t:  # a padded run: see the docstring
+        ragged = int(lens.min()) < t
+        # A padded run (see the docstring). Equal lengths too where the plan may pad and no states come in: their
+        # graph is then one of the step grid's, not one per length (single requests of 20..200 steps: 181 shapes)
+        if g is not None and g.uniform and (ragged or (pad_ok and states is None)):
             lens_key, lens_host, lens_dev = self._uniform(b, t)
             shape = self._shapes.padded(b, t) if states is None else None
             y, _, _ = self._run_blocks(x_d, b, t, lens_key, lens_host, lens_dev, states, g.algos, g.seq_major,
                                        graph_shape=shape, finals=False)
-            if zero_padding:
-                y = self._zero_past(y[:, :t], t, lens, ragged_lens)  # a bucketed graph ran more steps
+            y = y[:, :t]  # a bucketed graph ran more steps
+            if zero_padding and ragged:
+                y = self._zero_past(y, t, lens, ragged_lens)
             return y, None, None, None, None
         if groups[0].padded:  # chunks, each run padded (see autotune.plan): no valid final states either
             y = self._run_groups(groups, x_d, b, t, states, None, None)
