@@ -143,6 +143,9 @@ BAD = [
     ("lstm", {"inputs": [_inp("lengths", "INT32", (1,), [2])]}, 400, "input 'input' is missing"),
     ("lstm", {"inputs": [_inp(datatype="INT32")]}, 400, "input 'input' has datatype INT32; send FP32, FP16, FP64"),
     ("lstm", {"inputs": [_inp(datatype="BF17")]}, 400, "datatype 'BF17' is not supported"),
+    ("lstm", {"inputs": [_inp(data=[True] * 8)]}, 400, "its data must be JSON numbers within its range (no booleans, strings or nulls)"),
+    ("lstm", {"inputs": [_inp(data=["0.5"] * 8)]}, 400, "its data must be JSON numbers within its range (no booleans, strings or nulls)"),
+    ("lstm", {"inputs": [_inp(data=[None] * 8)]}, 400, "its data must be JSON numbers within its range (no booleans, strings or nulls)"),
     ("lstm", {"inputs": [_inp(shape=(1, 8), data=[0] * 8)]}, 400, "must have 3 dimensions"),
     ("lstm", {"inputs": [_inp(shape=(0, 2, 4), data=[])]}, 400, "empty batch"),
     ("lstm", {"inputs": [_inp(shape=(1, 0, 4), data=[])]}, 400, "0 time steps"),
@@ -177,7 +180,7 @@ BAD = [
     ("lstm", {"inputs": [_inp(), _inp("lengths", "INT64", (1,), [2 ** 70])]}, 400, "must be whole numbers"),
     ("lstm", {"inputs": [_inp(datatype="INT32", data=[-2 ** 70] * 8)]}, 400, "must be whole numbers"),
     ("lstm", {"inputs": [_inp(), _inp("lengths", "INT32", (1,), [3.0])]}, 400, "lengths[0] = 3 is out of range"),
-    ("lstm", {"inputs": [_inp(data=[2 ** 1100] + [0] * 7)]}, 400, "cannot be read as FP32"),
+    ("lstm", {"inputs": [_inp(data=[2 ** 1100] + [0] * 7)]}, 400, "is FP32: its data must be JSON numbers within its range"),
     ("lstm", {"inputs": [_inp(data=[1e300] + [0] * 7)]}, 400, "contains NaN or infinite values (first at index [0, 0, 0])"),
     ("lstm", {"inputs": [_inp(shape=(2 ** 40, 0, 2 ** 40), data=[])]}, 400, "whose dimensions multiply to more than 2**48"),
     ("lstm", {"inputs": [_inp()], "parameters": {"binary_data_output": "false"}}, 400,
@@ -211,6 +214,17 @@ async def test_malformed_bodies(repo):
         assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
         r = await client.post("/v2/models/lstm/infer", content=b"x" * 5000)
         assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]
+        deep = b"[" * 1500 + b"]" * 1500  # deeper than Python's recursion limit: the decoder gives up
+        for path in ("/v2/models/lstm/infer", "/v2/repository/index"):
+            r = await client.post(path, content=deep)
+            assert r.status_code == 400 and "nests arrays or objects too deeply" in r.json()["error"], (path, r.text)
+        nested = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 1, 4],
+                              "data": json.loads("[" * 200 + "1" + "]" * 200)}]}
+        r = await client.post("/v2/models/lstm/infer", content=json.dumps(nested).encode())
+        assert r.status_code == 400 and "input 'input'" in r.json()["error"], r.text
+        r = await client.post("/v2/models/lstm/infer", content=b"{}", headers={"Inference-Header-Content-Length": "-1"})
+        assert r.status_code == 400 and "must be the JSON header's length" in r.json()["error"]
+        assert (await client.get("/v2/health/live")).status_code == 200
         r = await client.post("/v2/models/lstm/versions/9/infer", json={"inputs": [_inp()]})
         assert r.status_code == 404 and "has no version '9'" in r.json()["error"]
 
@@ -247,6 +261,8 @@ async def test_v1_predict_ragged(repo):
             ({"instances": [[[1, 2, 3, 4], [1, 2]]]}, "instances[0][1] has 2 features but instances[0][0] has 4"),
             ({"instances": [[[1, 2, 3]]]}, "input 'input' has 3 features, model 'gru_bi' expects 4"),
             ({"instances": "abc"}, "invalid request body: instances"),
+            ({"instances": [[[1, 2, 3, True]]]}, "invalid request body: instances.0.0.3: Input should be a valid number"),
+            ({"instances": [[[1, 2, 3, "4"]]]}, "invalid request body: instances.0.0.3: Input should be a valid number"),
             ({"instances": [[[1, 2, 3, 4]]], "outputs": ["zzz"]}, "invalid request body: outputs"),
         ]:
             r = await client.post("/v1/models/gru_bi:predict", json=body)

@@ -6,7 +6,6 @@ from :data:`service.errors.STATUS_TABLE`, through :func:`error_response`.
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,7 +18,7 @@ from ... import __version__
 from ...dataplane import DataPlane
 from ...errors import InvalidInput, RNNServeError
 from ...metrics import CONTENT_TYPE_LATEST
-from .codec import HEADER
+from .codec import HEADER, parse_json
 from .infer import InferFastPath, infer_response
 from .responses import error_response, read_body
 from .predict import PredictRequest, PredictResponse, to_infer_request, to_predictions
@@ -173,10 +172,7 @@ async def _json_or_empty(request: Request) -> dict:
     body = await request.body()
     if not body.strip():
         return {}
-    try:
-        doc = json.loads(body)
-    except ValueError as exc:
-        raise InvalidInput(f"request body is not valid JSON: {exc}") from exc
+    doc = parse_json(body)
     if not isinstance(doc, dict):
         raise InvalidInput("request body must be a JSON object")
     return doc

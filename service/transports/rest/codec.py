@@ -40,6 +40,20 @@ def decompress(body: bytes, encoding: str | None) -> bytes:
     raise InvalidInput(f"Content-Encoding '{encoding}' is not supported; use gzip, deflate or none")
 
 
+def parse_json(body: bytes | str) -> Any:
+    """``body`` as a JSON document, or an :class:`InvalidInput` that says why it is not one.
+
+    Nesting deeper than Python's recursion limit is refused like any other bad JSON (the
+    decoder raises RecursionError there, which would otherwise become a 500)."""
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidInput("request body is not valid JSON for this server: it nests arrays or objects "
+                           "too deeply; send tensor data as a flat list (or nested only as deep as its shape)") from None
+
+
 def decode_request(body: bytes, header_length: str | None, model: str, version: str) -> InferRequest:
     """Parse a V2 infer request body (JSON, or JSON header + binary tensors)."""
     if header_length is not None:
@@ -47,15 +61,14 @@ def decode_request(body: bytes, header_length: str | None, model: str, version: 
             n = int(header_length)
         except ValueError:
             raise InvalidInput(f"header {HEADER} must be an integer, got '{header_length}'") from None
-        if not 0 <= n <= len(body):
+        if n < 0:
+            raise InvalidInput(f"header {HEADER} is {n}; it must be the JSON header's length in bytes (>= 0)")
+        if n > len(body):
             raise InvalidInput(f"header {HEADER} is {n} but the body has only {len(body)} bytes")
         head, binary = body[:n], memoryview(body)[n:]
     else:
         head, binary = body, memoryview(b"")
-    try:
-        doc = json.loads(head)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidInput(f"request body is not valid JSON: {exc}") from exc
+    doc = parse_json(head)
     if not isinstance(doc, dict):
         raise InvalidInput("request body must be a JSON object with an 'inputs' list")
     raw_inputs = doc.get("inputs")
@@ -136,12 +149,16 @@ def _json_values(name: str, datatype: str, dtype: np.dtype, data: Any) -> np.nda
     silently wrong) and raise OverflowError, not ValueError, past the type's range.
     """
     try:
-        if dtype.kind not in "iu":
-            with np.errstate(over="ignore"):  # past FP16/FP32 range: inf, which validation refuses by name
-                return np.asarray(data, dtype=dtype)
         raw = np.asarray(data)
         if raw.size == 0:
             return raw.astype(dtype)
+        if dtype.kind not in "iu":
+            # NumPy would read true as 1.0 and "2.5" as 2.5; JSON numbers only, as Triton takes them.
+            if raw.dtype.kind not in "iuf":
+                raise InvalidInput(f"input '{name}' is {datatype}: its data must be JSON numbers "
+                                   f"within its range (no booleans, strings or nulls)")
+            with np.errstate(over="ignore"):  # past FP16/FP32 range: inf, which validation refuses by name
+                return raw.astype(dtype)
         info = np.iinfo(dtype)
         whole = raw.dtype.kind in "iu" or (
             raw.dtype.kind == "f" and bool(np.all(np.isfinite(raw) & (raw == np.round(raw)))))

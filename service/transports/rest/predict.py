@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat
 
 from ...dataplane.types import InferRequest, InferResponse, InferTensor, RequestedOutput
 from ...errors import InvalidInput
@@ -26,7 +26,8 @@ class PredictRequest(BaseModel):
         {"instances": [[[0.1, 0.2, 0.3]]], "outputs": ["output_last", "h_n"]},
     ]})
 
-    instances: list[list[list[float]]] = Field(
+    # Strict: JSON numbers only (lax mode would read true as 1.0 and "2.5" as 2.5).
+    instances: list[list[list[StrictFloat]]] = Field(
         ..., description="One entry per sequence: a list of time steps, each a list of the model's input features.")
     outputs: list[PredictOutput] | None = Field(
         None, description="Outputs to return per instance; default output_last and output.")
