@@ -124,7 +124,11 @@ def requested_outputs(request: InferRequest, sig: ModelSignature) -> frozenset[s
     names = sig.output_names
     if not request.outputs:
         return frozenset(names)
+    seen: set[str] = set()
     for out in request.outputs:
+        if out.name in seen:
+            raise InvalidInput(f"output '{out.name}' is requested twice; ask for each output once")
+        seen.add(out.name)
         if out.name not in names:
             raise InvalidInput(
                 f"unknown output '{out.name}' for model '{request.model_name}'; its outputs are {', '.join(names)}"

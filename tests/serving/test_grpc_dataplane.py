@@ -97,6 +97,12 @@ def test_stream_and_errors_through_real_dataplane(served):
         assert info.value.status() == "StatusCode.NOT_FOUND"
         assert "unknown model 'nope'" in info.value.message()
 
+        twice = [tg.InferRequestedOutput("h_n"), tg.InferRequestedOutput("h_n")]
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("lstm", triton_inputs(tg, x, np.array([4], dtype=np.int32)), outputs=twice)
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert info.value.message() == "output 'h_n' is requested twice; ask for each output once"
+
     expected = engine.forward(x, np.array([4])).output[:, -1]
     for i in (0, 2):
         result, error = got[i]

@@ -159,6 +159,8 @@ BAD = [
     ("lstm", {"inputs": [_inp(), _inp("h_0", "FP32", (1, 1, 8), [0] * 8)]}, 400, "input 'h_0' must have shape [1, 2, 8]"),
     ("gru_bi", {"inputs": [_inp(), _inp("c_0", "FP32", (1, 2, 6), [0] * 12)]}, 400, "unknown input 'c_0' for model 'gru_bi' (this model has no cell state)"),
     ("lstm", {"inputs": [_inp(), _inp()]}, 400, "input 'input' is given twice"),
+    ("lstm", {"inputs": [_inp()], "outputs": [{"name": "h_n"}, {"name": "h_n"}]}, 400,
+     "output 'h_n' is requested twice; ask for each output once"),
     ("lstm", {"inputs": [_inp()], "outputs": [{"name": "logits"}]}, 400, "unknown output 'logits' for model 'lstm'; its outputs are output, output_last, h_n, c_n"),
     ("lstm", {"inputs": []}, 400, "request needs a non-empty 'inputs' list"),
     ("lstm", {"inputs": [_inp()], "parameters": {"sequence_id": 42}}, 404, "stream 42 of model 'lstm' is not live"),
