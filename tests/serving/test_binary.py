@@ -4,6 +4,7 @@ from __future__ import annotations
 import gzip
 import json
 import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -60,6 +61,33 @@ async def test_hand_built_binary_request_and_response(repo):
         r = await client.post("/v2/models/lstm/infer", content=gzip.compress(body),
                               headers={HEADER: str(len(head)), "Content-Encoding": "gzip"})
         assert r.status_code == 200
+
+
+async def test_compressed_bodies_are_held_to_the_size_limit(repo):
+    x = np.random.default_rng(1).standard_normal((1, 3, 4)).astype(np.float32)
+    body = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 3, 4],
+                                   "data": x.ravel().tolist()}], "outputs": [{"name": "h_n"}]}).encode()
+    half = len(body) // 2
+    async with rest_client(repo, max_request_bytes=64 * 1024) as (client, _):
+        plain = await client.post("/v2/models/lstm/infer", content=body)
+        assert plain.status_code == 200
+        for encoding, data in [("gzip", gzip.compress(body)), ("deflate", zlib.compress(body)),
+                               ("gzip", gzip.compress(body[:half]) + gzip.compress(body[half:]))]:  # two members
+            r = await client.post("/v2/models/lstm/infer", content=data, headers={"Content-Encoding": encoding})
+            assert r.status_code == 200 and r.json() == plain.json(), (encoding, r.text)
+        # ~10 KB on the wire, 10 MB once decompressed: refused while decompressing, not after
+        bomb = gzip.compress(b" " * (10 * 1024 * 1024))
+        assert len(bomb) < 64 * 1024
+        r = await client.post("/v2/models/lstm/infer", content=bomb, headers={"Content-Encoding": "gzip"})
+        assert r.status_code == 413 and "once gzip-decompressed" in r.json()["error"]
+        r = await client.post("/v2/models/lstm/infer", content=gzip.compress(body)[:-12],
+                              headers={"Content-Encoding": "gzip"})
+        assert r.status_code == 400 and "ends before its stream does" in r.json()["error"]
+        r = await client.post("/v2/models/lstm/infer", content=b"not gzip", headers={"Content-Encoding": "gzip"})
+        assert r.status_code == 400 and "is not valid gzip data" in r.json()["error"]
+        r = await client.post("/v2/models/lstm/infer", content=body, headers={"Content-Encoding": "br"})
+        assert r.status_code == 400 and "Content-Encoding 'br' is not supported" in r.json()["error"]
+        assert (await client.get("/v2/health/live")).status_code == 200
 
 
 @pytest.mark.parametrize("inputs_json, binary, header, message", [

@@ -10,10 +10,8 @@ output does not say otherwise; the response then carries the same header and is
 """
 from __future__ import annotations
 
-import gzip
 import json
 import math
-import zlib
 from typing import Any
 
 import numpy as np
@@ -24,20 +22,6 @@ from ...dataplane.validation import bool_parameter
 from ...errors import InvalidInput
 
 HEADER = "Inference-Header-Content-Length"
-
-
-def decompress(body: bytes, encoding: str | None) -> bytes:
-    """Undo a request ``Content-Encoding`` of gzip or deflate (tritonclient's request compression)."""
-    if not encoding or encoding == "identity":
-        return body
-    try:
-        if encoding == "gzip":
-            return gzip.decompress(body)
-        if encoding == "deflate":
-            return zlib.decompress(body)
-    except (OSError, zlib.error) as exc:
-        raise InvalidInput(f"request body is not valid {encoding} data: {exc}") from exc
-    raise InvalidInput(f"Content-Encoding '{encoding}' is not supported; use gzip, deflate or none")
 
 
 def parse_json(body: bytes | str) -> Any:

@@ -23,8 +23,8 @@ from starlette.responses import Response
 
 from ...dataplane import DataPlane
 from ...errors import RNNServeError
-from .codec import HEADER, decode_request, decompress, encode_response
-from .responses import error_response, read_body
+from .codec import HEADER, decode_request, encode_response
+from .responses import decompress, error_response, read_body
 
 # Bodies and outputs past these sizes are decoded/encoded in a worker thread, so one large JSON
 # request does not hold the event loop (and every other request) for its whole parse.
@@ -37,7 +37,8 @@ INFER_PATH = re.compile(r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^
 async def infer_response(dataplane: DataPlane, request: Request, model: str, version: str,
                          max_request_bytes: int) -> Response:
     """Decode a V2 infer request (JSON or binary extension), run it, and encode the answer."""
-    body = decompress(await read_body(request, max_request_bytes), request.headers.get("content-encoding"))
+    body = decompress(await read_body(request, max_request_bytes), request.headers.get("content-encoding"),
+                      max_request_bytes)
     header = request.headers.get(HEADER)
     if len(body) > _OFFLOAD_BYTES:
         req = await run_in_threadpool(decode_request, body, header, model, version)

@@ -1,10 +1,15 @@
 """How the REST transport reads request bodies and reports errors (one place for both)."""
 from __future__ import annotations
 
+import zlib
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from ...errors import STATUS_TABLE, RNNServeError
+from ...errors import STATUS_TABLE, InvalidInput, RNNServeError
+
+# zlib window bits of each request Content-Encoding tritonclient sends (gzip.compress, zlib.compress)
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
 class RequestTooLarge(RNNServeError):
@@ -32,3 +37,38 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise RequestTooLarge(f"request body is larger than the limit of {limit} bytes (--max-request-bytes)")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """Undo a request ``Content-Encoding`` of gzip or deflate (tritonclient's request compression).
+
+    The output is held to ``limit`` bytes as it is produced: a few MB of zeros compress a
+    thousandfold, and unbounded they would fill the server's memory (RequestTooLarge instead).
+    """
+    if not encoding or encoding == "identity":
+        return body
+    wbits = _WBITS.get(encoding)
+    if wbits is None:
+        raise InvalidInput(f"Content-Encoding '{encoding}' is not supported; use gzip, deflate or none")
+    parts: list[bytes] = []
+    size = 0
+    try:
+        while body:  # gzip may hold several members one after another
+            stream = zlib.decompressobj(wbits)
+            pending = body
+            while pending:
+                part = stream.decompress(pending, limit + 1 - size)
+                size += len(part)
+                if size > limit:
+                    raise RequestTooLarge(f"request body is larger than the limit of {limit} bytes "
+                                          f"(--max-request-bytes) once {encoding}-decompressed; send fewer or "
+                                          f"shorter sequences")
+                parts.append(part)
+                pending = stream.unconsumed_tail
+            if not stream.eof:
+                raise InvalidInput(f"request body is not valid {encoding} data: it ends before its stream does "
+                                   f"(truncated?)")
+            body = stream.unused_data if encoding == "gzip" else b""
+    except zlib.error as exc:
+        raise InvalidInput(f"request body is not valid {encoding} data: {exc}") from None
+    return b"".join(parts)
