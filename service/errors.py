@@ -41,6 +41,12 @@ class StaleModelView(Unavailable):
     """
 
 
+class TooLarge(RNNServeError):
+    """A request or its answer is over a size limit of the server; the message names the limit."""
+
+    status = "RESOURCE_EXHAUSTED"
+
+
 class DeadlineExceeded(RNNServeError):
     """The request's own timeout passed before it could run."""
 

@@ -24,6 +24,7 @@ from service.transports.grpc import create_grpc_server
 from serving_support import triton_inputs
 
 SPEC = RNNSpec((BlockSpec("lstm", 3, 5, 2, False, 0),))
+LIMIT = 256 * 1024  # the server's gRPC message limit in these tests
 
 
 def _model() -> PackedModel:
@@ -48,7 +49,7 @@ def served(tmp_path_factory):
 
     async def start():
         await dataplane.start()
-        server = create_grpc_server(dataplane, "127.0.0.1", 0)
+        server = create_grpc_server(dataplane, "127.0.0.1", 0, max_message_bytes=LIMIT)
         await server.start()
         return server
 
@@ -111,3 +112,26 @@ def test_stream_and_errors_through_real_dataplane(served):
         np.testing.assert_allclose(result.as_numpy("output_last"), expected, rtol=1e-5, atol=1e-6)
     assert got[1][0] is None
     assert got[1][1].message() == "input 'input' has 7 features, model 'lstm' expects 3"
+
+
+def test_an_answer_over_the_message_limit_says_what_to_change(served):
+    url, engine = served
+    x = np.random.default_rng(3).standard_normal((1, 15000, 3)).astype(np.float32)  # 180 KB in, 300 KB of output
+    lengths = np.array([15000], dtype=np.int32)
+    with tg.InferenceServerClient(url) as client:
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("lstm", triton_inputs(tg, x, lengths), outputs=[tg.InferRequestedOutput("output")])
+        assert info.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+        assert f"over the server's gRPC message limit of {LIMIT} bytes" in info.value.message()
+        assert "output_last instead of output" in info.value.message()
+
+        results: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: results.put((result, error)), stream_timeout=30)
+        client.async_stream_infer("lstm", triton_inputs(tg, x, lengths), outputs=[tg.InferRequestedOutput("output")])
+        client.async_stream_infer("lstm", triton_inputs(tg, x, lengths),
+                                  outputs=[tg.InferRequestedOutput("output_last")])
+        (_, too_large), (last, error) = results.get(timeout=60), results.get(timeout=60)
+        client.stop_stream()
+        assert "over the server's gRPC message limit" in too_large.message() and error is None
+        expected = engine.forward(x, lengths).output[:, -1]
+        np.testing.assert_allclose(last.as_numpy("output_last"), expected, rtol=1e-5, atol=1e-6)

@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator
 
 from google.protobuf import json_format
 
-from ...errors import InvalidInput
+from ...errors import InvalidInput, TooLarge
 from .codec import decode_parameters, decode_request, encode_response
 from .generated import inference_pb2 as pb
 from .generated import inference_pb2_grpc as pb_grpc
@@ -36,9 +36,22 @@ def _sequence_key(msg: pb.ModelInferRequest) -> tuple[str, Any] | None:
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     """Serves GRPCInferenceService from a DataPlane."""
 
-    def __init__(self, dataplane, stream_window: int = STREAM_WINDOW) -> None:
+    def __init__(self, dataplane, stream_window: int = STREAM_WINDOW, max_message_bytes: int | None = None) -> None:
         self._dataplane = dataplane
         self._stream_window = stream_window
+        self._max_message_bytes = max_message_bytes
+
+    async def _answer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        """The ModelInferResponse to ``request``, refused with a message that says what to change when it is
+        over the message limit (grpc would fail the send with only the two sizes)."""
+        response = encode_response(await self._dataplane.infer(decode_request(request)))
+        limit = self._max_message_bytes
+        if limit is not None and (size := response.ByteSize()) > limit:
+            raise TooLarge(
+                f"the answer of model '{request.model_name}' is {size} bytes, over the server's gRPC message limit "
+                f"of {limit} bytes (--max-request-bytes); ask only for the outputs you need (output_last instead of "
+                f"output), send fewer or shorter sequences per request, or raise the limit")
+        return response
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=await self._dataplane.live())
@@ -83,8 +96,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
 
     async def ModelInfer(self, request, context):
-        response = await self._dataplane.infer(decode_request(request))
-        return encode_response(response)
+        return await self._answer(request)
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context
@@ -134,7 +146,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if after is not None:
             await asyncio.wait([after])
         try:
-            infer_response = encode_response(await self._dataplane.infer(decode_request(request)))
+            infer_response = await self._answer(request)
         except Exception as exc:
             _, message = grpc_status(exc)
             # The request's identity goes back with the error, so clients can match them.

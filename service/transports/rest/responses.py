@@ -6,16 +6,14 @@ import zlib
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from ...errors import STATUS_TABLE, InvalidInput, RNNServeError
+from ...errors import STATUS_TABLE, InvalidInput, RNNServeError, TooLarge
 
 # zlib window bits of each request Content-Encoding tritonclient sends (gzip.compress, zlib.compress)
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
-class RequestTooLarge(RNNServeError):
+class RequestTooLarge(TooLarge):
     """The request body is larger than --max-request-bytes."""
-
-    status = "RESOURCE_EXHAUSTED"
 
 
 def error_response(exc: RNNServeError) -> JSONResponse:
