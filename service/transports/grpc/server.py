@@ -109,7 +109,8 @@ def create_grpc_server(
             ("grpc.max_send_message_length", max_message_bytes),
         ],
     )
-    servicer = map_errors(InferenceServicer(dataplane, max_message_bytes=max_message_bytes), pb.DESCRIPTOR.services_by_name["GRPCInferenceService"])
+    servicer = map_errors(InferenceServicer(dataplane, max_message_bytes=max_message_bytes),
+                          pb.DESCRIPTOR.services_by_name["GRPCInferenceService"])
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     health = map_errors(ReadinessHealthServicer(dataplane), health_pb2.DESCRIPTOR.services_by_name["Health"])
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

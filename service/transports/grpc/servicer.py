@@ -19,6 +19,8 @@ from .status import grpc_status
 
 # How many ModelStreamInfer requests of one stream may be in flight at once.
 STREAM_WINDOW = 64
+# Room in a ModelInferResponse beside its raw output tensors (names, shapes, parameters): far above what they take.
+_SIZE_HEADROOM = 64 * 1024
 
 
 def _sequence_key(msg: pb.ModelInferRequest) -> tuple[str, Any] | None:
@@ -46,7 +48,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         over the message limit (grpc would fail the send with only the two sizes)."""
         response = encode_response(await self._dataplane.infer(decode_request(request)))
         limit = self._max_message_bytes
-        if limit is not None and (size := response.ByteSize()) > limit:
+        # ByteSize encodes the whole message, so only answers whose tensors come near the limit pay for it.
+        if (limit is not None and sum(map(len, response.raw_output_contents)) > limit - _SIZE_HEADROOM
+                and (size := response.ByteSize()) > limit):
             raise TooLarge(
                 f"the answer of model '{request.model_name}' is {size} bytes, over the server's gRPC message limit "
                 f"of {limit} bytes (--max-request-bytes); ask only for the outputs you need (output_last instead of "

@@ -142,7 +142,7 @@ def _json_values(name: str, datatype: str, dtype: np.dtype, data: Any) -> np.nda
                 raise InvalidInput(f"input '{name}' is {datatype}: its data must be JSON numbers "
                                    f"within its range (no booleans, strings or nulls)")
             with np.errstate(over="ignore"):  # past FP16/FP32 range: inf, which validation refuses by name
-                return raw.astype(dtype)
+                return raw.astype(dtype, copy=False)
         info = np.iinfo(dtype)
         whole = raw.dtype.kind in "iu" or (
             raw.dtype.kind == "f" and bool(np.all(np.isfinite(raw) & (raw == np.round(raw)))))
