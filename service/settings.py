@@ -5,7 +5,7 @@ One pydantic-settings class is the single source: each field is an env var
 description. Precedence: CLI flag > env var > default.
 
 The batching and stream fields (``max_batch_size``, ``max_queue_delay_us``, ``max_queue_size``,
-``max_sequence_length``, ``max_streams``, ``stream_idle_timeout_s``) are server-wide defaults for every model; a model's
+``max_sequence_length``, ``max_batch_memory_mb``, ``max_streams``, ``stream_idle_timeout_s``) are server-wide defaults for every model; a model's
 ``config.json`` overrides them (see :func:`service.registry.effective_config`).
 """
 from __future__ import annotations
@@ -42,6 +42,11 @@ class ServeSettings(BaseSettings):
     )
     max_queue_size: int = Field(1024, ge=1, description="Default requests waiting per model; more get 503 at once.")
     max_sequence_length: int = Field(100_000, ge=1, description="Default longest T accepted per request.")
+    max_batch_memory_mb: int = Field(
+        0, ge=0, description="Default working memory one engine call of a model may use, in MiB; a request needing "
+                             "more alone gets 413 / RESOURCE_EXHAUSTED. 0: a quarter of the machine's memory (GPU: "
+                             "of the smaller of host and GPU memory).",
+    )
     max_streams: int = Field(
         1024, ge=1, description="Default live stateful streams (sequence_id) per model; one more gets UNAVAILABLE (503)."
     )

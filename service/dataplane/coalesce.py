@@ -150,12 +150,14 @@ class Lane(_Coalescing):
         self._send = send
 
     def _take(self) -> list[_Entry]:
-        """The oldest waiting requests that fit in one batch of the model (at least one)."""
-        cap, count, n = self.view.max_batch_size, 0, 0
+        """The oldest waiting requests that fit in one batch of the model, sequences and memory (at least one)."""
+        cap, budget, count, longest, n = self.view.max_batch_size, self.view.budget, 0, 0, 0
         for entry in self._waiting:
-            if n and count + entry.prepared.work.sequences > cap:
+            work = entry.prepared.work
+            if n and (count + work.sequences > cap or not budget.fits(count + work.sequences, max(longest, work.steps))):
                 break
-            count += entry.prepared.work.sequences
+            count += work.sequences
+            longest = max(longest, work.steps)
             n += 1
         group, self._waiting = self._waiting[:n], self._waiting[n:]
         return [e for e in group if not e.future.done()]  # a cancelled request is not sent

@@ -205,7 +205,8 @@ class DataPlane:
                 self._views.clear()
             view = self._views[served.generation] = ModelView(
                 served.name, served.label, served.generation, self._signature(served.model.spec),
-                served.config.max_sequence_length, served.config.max_batch_size, served.config.frontend_in_flight)
+                served.config.max_sequence_length, served.config.max_batch_size, served.budget,
+                served.config.frontend_in_flight)
         return view
 
     def _stream_chunk(self, served: ServedVersion, stream: StreamRequest, work: SequenceWork,

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..scheduler import SequenceWork
+from ..scheduler import MemoryBudget, SequenceWork
 from .signature import ModelSignature
 from .types import InferRequest, InferResponse, InferTensor, datatype_of
 from .validation import StreamRequest, request_deadline, stream_request, to_work
@@ -32,6 +32,7 @@ class ModelView:
     signature: ModelSignature
     max_sequence_length: int
     max_batch_size: int
+    budget: MemoryBudget
     frontend_in_flight: int = 2  # messages a front-end's lane keeps in the engine process (see .coalesce)
 
 
@@ -53,10 +54,11 @@ class Prepared:
 
 
 def prepare(request: InferRequest, view: ModelView) -> Prepared:
-    """Validate ``request`` against ``view`` (InvalidInput saying what to change)."""
+    """Validate ``request`` against ``view`` (InvalidInput or TooLarge, saying what to change)."""
     deadline = request_deadline(request.parameters)
     stream = stream_request(request.parameters)
     work = to_work(request, view.signature, view.max_sequence_length, stream)
+    view.budget.check(work.sequences, work.steps, view.name)
     return Prepared(work, deadline, stream)
 
 

@@ -32,14 +32,15 @@ from ..errors import InvalidInput, NotFound, RNNServeError, Unavailable
 from ..metrics import ServerMetrics
 from ..repository import ModelConfig, PackedModel, load_config, load_model
 from ..repository.model import model_versions
-from ..scheduler import Scheduler, StreamStore
+from ..scheduler import MemoryBudget, Scheduler, StreamStore
 
 log = logging.getLogger("rnnserve.registry")
 _GENERATIONS = itertools.count(1)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 # Fields the server's settings give every model unless its config.json says otherwise.
-DEFAULTED_FIELDS = ("max_batch_size", "max_queue_delay_us", "max_queue_size", "max_sequence_length", "max_streams",
+DEFAULTED_FIELDS = ("max_batch_size", "max_queue_delay_us", "max_queue_size", "max_sequence_length",
+                    "max_batch_memory_mb", "max_streams",
                     "stream_idle_timeout_s", "frontend_in_flight")
 
 
@@ -63,6 +64,7 @@ class ServedVersion:
     engine: Any = None
     scheduler: Scheduler | None = None
     streams: StreamStore | None = None
+    budget: MemoryBudget | None = None
     # Identifies this load of the version across processes (front-ends cache a view of it).
     generation: int = field(default_factory=_GENERATIONS.__next__)
 
@@ -276,9 +278,10 @@ class ModelRegistry:
             return type(err)(f"model '{sv.name}' version {sv.version} {sv.reason}")
         cfg = sv.config
         sv.model, sv.engine = model, engine
+        sv.budget = MemoryBudget.of(model.spec, cfg.max_batch_memory_mb, engine)
         sv.scheduler = Scheduler(engine, sv.name, sv.label, max_batch_size=cfg.max_batch_size,
                                  max_queue_delay_us=cfg.max_queue_delay_us, max_queue_size=cfg.max_queue_size,
-                                 metrics=self.metrics)
+                                 max_batch_steps=sv.budget.max_steps, metrics=self.metrics)
         await sv.scheduler.start()
         sv.streams = StreamStore(sv.name, sv.label, cfg.max_streams, cfg.stream_idle_timeout_s,
                                  engine.state_pool(cfg.max_streams), self.metrics)
@@ -289,8 +292,9 @@ class ModelRegistry:
             self.metrics.model_load_duration.labels(model=sv.name, version=sv.label).observe(elapsed)
             self.metrics.model_ready.labels(model=sv.name, version=sv.label).set(1)
             self.metrics.model_engine.labels(model=sv.name, version=sv.label, engine=engine.name).set(1)
-        log.info("model %s version %s ready on %s engine in %.2fs (max_batch_size %d, max_queue_delay_us %d)",
-                 sv.name, sv.version, engine.name, elapsed, cfg.max_batch_size, cfg.max_queue_delay_us)
+        log.info("model %s version %s ready on %s engine in %.2fs (max_batch_size %d, max_queue_delay_us %d, "
+                 "max_batch_memory %d MiB: %d sequence steps)", sv.name, sv.version, engine.name, elapsed,
+                 cfg.max_batch_size, cfg.max_queue_delay_us, sv.budget.limit_bytes >> 20, sv.budget.max_steps)
         return None
 
     def _build(self, model_dir: Path, version: int, config: ModelConfig) -> tuple[PackedModel, Any]:

@@ -30,6 +30,12 @@ class ModelConfig(BaseModel):
         1024, ge=1, description="Requests waiting at most; more are refused at once with UNAVAILABLE (503)."
     )
     max_sequence_length: int = Field(100_000, ge=1, description="Longest T accepted per request.")
+    max_batch_memory_mb: int = Field(
+        0, ge=0, description="Working memory one engine call may use, in MiB (estimated from the model's widest "
+                             "layer: rows x longest length x bytes per step). A request needing more alone is "
+                             "refused with 413 / RESOURCE_EXHAUSTED; batches are formed within it. 0 (the default): "
+                             "a quarter of the machine's memory (GPU engine: of the smaller of host and GPU memory).",
+    )
     precision: Literal["float32", "float16", "bfloat16"] = Field(
         "float32", description="Data type the engine computes in (GPU engine; the CPU engine computes in float32)."
     )

@@ -30,6 +30,9 @@ Batching policy
   ten-step ones for 200 steps), and the oldest request always runs next, so nothing
   starves. When everything waiting fits in one batch it runs as one batch: on a
   single worker, splitting would only add engine calls.
+* Memory: a batch also holds at most ``max_batch_steps`` padded sequence-steps (rows x
+  longest length), the model's :class:`~.memory_budget.MemoryBudget`; validation refuses a
+  request over it alone, so only merged front-end work can reach it, and that runs alone.
 * A request with more sequences than ``max_batch_size`` runs alone as one batch.
 * Deadlines: a request's ``timeout`` (µs) bounds its time in the queue; when it
   passes before the batch starts, the request fails with :class:`DeadlineExceeded`
@@ -93,11 +96,14 @@ class Scheduler:
     inline_wait_s = 1e-3
 
     def __init__(self, engine: Any, model: str, version: str, *, max_batch_size: int, max_queue_delay_us: int,
-                 max_queue_size: int, metrics: ServerMetrics | None = None) -> None:
+                 max_queue_size: int, max_batch_steps: int | None = None,
+                 metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.model = model
         self.version = version
         self.max_batch_size = max_batch_size
+        # rows x longest length one batch may hold (its memory budget, see .memory_budget); None: no bound
+        self.max_batch_steps = max_batch_steps
         self.max_queue_delay = max_queue_delay_us / 1e6
         self.max_queue_size = max_queue_size
         self._metrics = metrics
@@ -300,12 +306,13 @@ class Scheduler:
         return chosen
 
     def _choose(self, waiting: list[_Waiting]) -> list[_Waiting]:
-        """Pick the next batch: everything if it fits, else the oldest plus its nearest neighbours in length."""
-        cap = self.max_batch_size
-        if self._queued <= cap:
+        """Pick the next batch: everything if it fits (sequences and memory), else the oldest plus its nearest
+        neighbours in length."""
+        cap, budget = self.max_batch_size, self.max_batch_steps
+        if self._queued <= cap and (budget is None or self._queued * max(w.work.steps for w in waiting) <= budget):
             return list(waiting)
         anchor = waiting[0]
-        if anchor.work.sequences >= cap:
+        if anchor.work.sequences >= cap or (budget is not None and anchor.work.sequences * anchor.work.steps >= budget):
             return [anchor]
         by_len = sorted(waiting, key=lambda w: w.work.steps)
         pos = by_len.index(anchor)
@@ -314,7 +321,10 @@ class Scheduler:
         while True:
             left = by_len[lo - 1] if lo > 0 else None
             right = by_len[hi] if hi < len(by_len) else None
-            options = [c for c in (left, right) if c is not None and count + c.work.sequences <= cap]
+            # sorted by length: the batch's longest is its rightmost member (or the one being added on the right)
+            longest = by_len[hi - 1].work.steps
+            options = [c for c in (left, right) if c is not None and count + c.work.sequences <= cap
+                       and (budget is None or (count + c.work.sequences) * max(longest, c.work.steps) <= budget)]
             if not options:
                 break
             pick = min(options, key=lambda c: abs(c.work.steps - t0))

@@ -258,6 +258,11 @@ class CudnnEngine(Engine):
         """Per block, the algorithm an equal-length call of ``batch`` sequences of ``steps`` steps runs."""
         return [L.ALGO_NAMES[a] for a in self._table.algos_for(min(batch, self._table.biggest), steps)]
 
+    def device_memory_bytes(self) -> int:
+        """Total memory of the engine's GPU (what the model's memory budget is a share of)."""
+        with self._cp.cuda.Device(self.device_id):
+            return int(self._cp.cuda.runtime.memGetInfo()[1])
+
     def synchronize(self) -> None:
         """Wait for everything enqueued on the engine's stream (for timing device outputs)."""
         self._ctx.stream.synchronize()
