@@ -245,6 +245,12 @@ def serve_main(argv: list[str]) -> int:
     except RNNServeError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
+    if not settings.repository.is_dir():
+        # Triton stops here too: a server with no models would report ready and take traffic it can only refuse.
+        print(f"error: model repository '{settings.repository}' is not a folder; pass --repository DIR "
+              f"(or RNNSERVE_REPOSITORY) naming a folder of models (an empty one serves none until models are "
+              f"added and loaded)", file=sys.stderr)
+        return 2
     logging.getLogger().setLevel(settings.log_level.upper())
     try:
         return eventloop.run(serve(settings), settings.event_loop)

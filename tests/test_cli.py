@@ -82,6 +82,13 @@ def test_cli_errors_are_one_line_and_exit_2(torch_file, tmp_path):
     assert "Traceback" not in res.stderr
 
 
+def test_serve_with_a_missing_repository_exits_2_before_listening(tmp_path):
+    res = rnnserve("serve", "--repository", tmp_path / "modles", "--http-port", "0", "--grpc-port", "0")
+    assert res.returncode == 2, res.stderr
+    assert f"error: model repository '{tmp_path / 'modles'}' is not a folder; pass --repository DIR" in res.stderr
+    assert "HTTP on" not in res.stdout + res.stderr
+
+
 def test_inspect_prints_each_buckets_algorithms_and_uncaptured_launch_time(capsys):
     """`rnnserve inspect --device cuda` prints the autotuner's table: per bucket the algorithm and ms at both
     tuning lengths, and the host ms of that call uncaptured (what a ragged batch pays without a graph)."""
