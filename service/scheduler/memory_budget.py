@@ -98,10 +98,11 @@ class MemoryBudget:
         if self.fits(rows, steps):
             return
         need = rows * steps * self.step_bytes
+        limit = f"{self.limit_bytes / _MIB:,.{0 if self.limit_bytes % _MIB == 0 else 1}f}"
         raise TooLarge(
-            f"{rows} sequence(s) of {steps} steps would need about {need / _MIB:,.0f} MiB of engine memory for model "
+            f"{rows} sequence(s) of {steps} steps would need about {need / _MIB:,.1f} MiB of engine memory for model "
             f"'{model}' ({self.step_bytes:,} bytes per sequence step), over its max_batch_memory_mb of "
-            f"{self.limit_bytes // _MIB:,} MiB; send at most {self.max_steps:,} sequence steps per request "
+            f"{limit} MiB; send at most {self.max_steps:,} sequence steps per request "
             f"(sequences x longest length: fewer or shorter sequences), or raise max_batch_memory_mb in the "
             f"model's config.json (or --max-batch-memory-mb)"
         )

@@ -120,7 +120,7 @@ def test_budget_from_setting_or_a_quarter_of_memory():
     with pytest.raises(TooLarge) as info:
         set_.check(2, 2000, "lstm")
     message = info.value.message
-    assert "2 sequence(s) of 2000 steps would need about 1 MiB of engine memory for model 'lstm'" in message
+    assert "2 sequence(s) of 2000 steps would need about 1.5 MiB of engine memory for model 'lstm'" in message
     assert f"send at most {LSTM_STEPS_PER_MIB:,} sequence steps per request" in message
     assert "max_batch_memory_mb" in message
 
