@@ -119,13 +119,14 @@ async def test_messages_keep_to_the_models_memory_budget(tmp_path):
     """A merged message pads every row to its longest: rows x longest stays within max_batch_memory_mb."""
     async with lstm_dataplane(tmp_path, seed=5, max_batch_size=64, max_batch_memory_mb=1, frontend_in_flight=8) as dp:
         send = Recorder(dp)
-        budget = send.view.budget.max_steps  # 2,730 sequence steps (1 MiB, 384 bytes a step)
+        budget = send.view.budget.max_steps  # 2,048 sequence steps (1 MiB, 512 bytes a step)
         rng = np.random.default_rng(4)
-        lengths = [1000, 40, 900, 1200, 30, 20]
+        lengths = [1000, 40, 900, 600, 30, 20]
         works = [_work(rng, 1, t, [t], {"output_last"}) for t in lengths]
         lane = Lane(send.view, send)
         results = await asyncio.gather(*(lane.submit(Prepared(w, None, None)) for w in works))
-        # oldest first: 1000 and 40 (2 x 1000); with 900, 3 x 1000 > 2,730. Then 900 and 1200 (2 x 1200), then the rest
+        # oldest first: 1000 and 40 (2 x 1000); with 900, 3 x 1000 > 2,048. Then 900 and 600 (with 30: 3 x 900), then
+        # the rest
         assert [p.requests for p in send.sent] == [2, 2, 2]
         assert all(p.work.sequences * p.work.steps <= budget for p in send.sent)
         engine = create_engine(make_model(*LSTM, seed=5), "cpu")

@@ -21,9 +21,9 @@ from serving_support import LSTM, build_repository, make_model, rest_client, sta
 
 MIB = 1024 * 1024
 
-# LSTM (I=4, H=8, 2 layers): 4 x (2*4 + (2*8 + 4*8 + 2*8) + 3*8) = 384 bytes a sequence step, so 1 MiB holds
-# 2,730 sequence steps.
-LSTM_STEPS_PER_MIB = MIB // 384
+# LSTM (I=4, H=8, 2 layers): 4 x (2*4 + 2*4*8 + (2*8 + 2*8) + 3*8) = 512 bytes a sequence step, so 1 MiB holds
+# 2,048 sequence steps.
+LSTM_STEPS_PER_MIB = MIB // 512
 
 
 @pytest.mark.parametrize("blocks", [
@@ -53,8 +53,9 @@ def test_estimate_bounds_the_reference_engines_peak_memory(blocks, native, monke
         tracemalloc.stop()
     estimate = rows * steps * step_bytes(model.spec)
     assert result.output.shape == (rows, steps, model.spec.output_size)
-    # an upper bound of what the engine holds, and not so loose that it refuses what would fit
-    assert peak <= estimate <= 10 * peak, (peak, estimate)
+    # an upper bound of what the engine holds, and not so loose that it refuses much that would fit (the C kernels
+    # never hold the gate projections the estimate counts for cuDNN's workspace: 13x for the projected LSTM)
+    assert peak <= estimate <= 16 * peak, (peak, estimate)
 
 
 class _Engine:
@@ -105,7 +106,7 @@ async def test_scheduler_forms_batches_within_the_budget():
 
 def test_budget_from_setting_or_a_quarter_of_memory():
     spec = make_model(*LSTM).spec
-    assert step_bytes(spec) == 384
+    assert step_bytes(spec) == 512
     set_ = MemoryBudget.of(spec, 1)
     assert (set_.limit_bytes, set_.max_steps) == (MIB, LSTM_STEPS_PER_MIB)
     assert set_.fits(1, LSTM_STEPS_PER_MIB) and not set_.fits(2, LSTM_STEPS_PER_MIB // 2 + 1)
@@ -120,7 +121,7 @@ def test_budget_from_setting_or_a_quarter_of_memory():
     with pytest.raises(TooLarge) as info:
         set_.check(2, 2000, "lstm")
     message = info.value.message
-    assert "2 sequence(s) of 2000 steps would need about 1.5 MiB of engine memory for model 'lstm'" in message
+    assert "2 sequence(s) of 2000 steps would need about 2.0 MiB of engine memory for model 'lstm'" in message
     assert f"send at most {LSTM_STEPS_PER_MIB:,} sequence steps per request" in message
     assert "max_batch_memory_mb" in message
 
@@ -189,10 +190,12 @@ def _has_gpu() -> bool:
     (BlockSpec("lstm", 2, 256, num_layers=2, bidirectional=True),),
     (BlockSpec("gru", 3, 512, num_layers=3),),
     (BlockSpec("lstm", 16, 256, num_layers=2, proj_size=64),),
+    (BlockSpec("lstm", 4, 256, num_layers=4, bidirectional=True),),
     (BlockSpec("rnn_tanh", 40, 96, num_layers=1, bidirectional=True), BlockSpec("lstm", 192, 128)),
-], ids=["lstm_bi_wide", "gru_3layer", "lstm_proj", "rnn_bi_then_lstm"])
-@pytest.mark.parametrize("last_only", [False, True], ids=["output", "output_last"])
-def test_estimate_bounds_the_cudnn_engines_device_memory(blocks, last_only):
+], ids=["lstm_bi_wide", "gru_3layer", "lstm_proj", "lstm_bi_4layer", "rnn_bi_then_lstm"])
+@pytest.mark.parametrize("last_only,algorithm", [(False, None), (True, None), (False, "standard")],
+                         ids=["output", "output_last", "output_standard"])
+def test_estimate_bounds_the_cudnn_engines_device_memory(blocks, last_only, algorithm):
     """What the GPU engine's call takes from CuPy's pool (buffers, workspace) stays within the estimate."""
     import cupy
 
@@ -206,7 +209,7 @@ def test_estimate_bounds_the_cudnn_engines_device_memory(blocks, last_only):
     # H=512, and float32 rounding alone would then part the two engines
     scale = 1 / (0.4 * np.sqrt(max(b.hidden_size for b in blocks)))
     model = PackedModel(random.spec, [(w * scale).astype(np.float32) for w in random.weights])
-    engine = CudnnEngine(model, graph_memory_mb=0)
+    engine = CudnnEngine(model, graph_memory_mb=0, algorithm=algorithm)
     pool = cupy.get_default_memory_pool()
     try:
         assert engine.device_memory_bytes() == cupy.cuda.runtime.memGetInfo()[1]
@@ -230,13 +233,16 @@ def test_estimate_bounds_the_cudnn_engines_device_memory(blocks, last_only):
         engine.synchronize()
         taken = pool.total_bytes() - before
         estimate = rows * steps * step_bytes(model.spec)
-        print(f"{model.spec.blocks[0].cell} taken {taken / MIB:.1f} MiB, estimate {estimate / MIB:.1f} MiB")
+        print(f"{model.spec.blocks[0].cell} {algorithm or 'autotuned'} algorithms {engine.algorithms_for(rows, steps)}:"
+              f" taken {taken / MIB:.1f} MiB, estimate {estimate / MIB:.1f} MiB")
         assert 0 < taken <= estimate, (taken, estimate)
-        want = ReferenceEngine(model, dtype=np.float64).forward(x.astype(np.float64), lengths)
+        # rows are independent: the float64 reference of the first eight is the check (and spares the CPU)
+        want = ReferenceEngine(model, dtype=np.float64).forward(x[:8].astype(np.float64), lengths[:8])
         if last_only:
             assert got.output is None
-            np.testing.assert_allclose(got.last, output_last(model.spec, want.output, lengths), rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(got.last[:8], output_last(model.spec, want.output, lengths[:8]),
+                                       rtol=1e-4, atol=1e-4)
         else:
-            np.testing.assert_allclose(got.output, want.output, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(got.output[:8], want.output, rtol=1e-4, atol=1e-4)
     finally:
         engine.close()
