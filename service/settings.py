@@ -60,7 +60,9 @@ class ServeSettings(BaseSettings):
                     "GPU-bound models, whose batches cost about the same with more rows.",
     )
     max_request_bytes: int = Field(
-        64 * 1024 * 1024, ge=1024, description="Largest request body (HTTP) or message (gRPC) accepted, in bytes."
+        64 * 1024 * 1024, ge=1024,
+        description="Largest request body (HTTP) or message (gRPC) accepted, in bytes. It bounds answers too: gRPC "
+                    "messages, and HTTP answers sent as JSON (~20 bytes a number; binary outputs are not held to it).",
     )
     frontends: int = Field(
         1, ge=1, le=64,

@@ -140,7 +140,7 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
             raise InvalidInput(f"invalid request body: {problems}") from None
         req = to_infer_request(model, body)
         resp = await dataplane.infer(req)
-        return to_predictions(resp, [len(s) for s in body.instances])
+        return to_predictions(resp, [len(s) for s in body.instances], max_request_bytes)
 
     # ---- repository extension ---------------------------------------------------------------------------------
 

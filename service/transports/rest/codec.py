@@ -20,6 +20,7 @@ from ...dataplane.types import (InferRequest, InferResponse, InferTensor, Reques
                                 numpy_dtype, refuse_extensions)
 from ...dataplane.validation import bool_parameter
 from ...errors import InvalidInput
+from .responses import check_json_answer
 
 HEADER = "Inference-Header-Content-Length"
 
@@ -155,13 +156,21 @@ def _json_values(name: str, datatype: str, dtype: np.dtype, data: Any) -> np.nda
                            f"rectangular numbers within its range): {exc}") from exc
 
 
-def encode_response(response: InferResponse, request_parameters: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
-    """Body and headers of a V2 infer response; binary outputs follow the JSON header."""
+def encode_response(response: InferResponse, request_parameters: dict[str, Any],
+                    limit: int | None = None) -> tuple[bytes, dict[str, str]]:
+    """Body and headers of a V2 infer response; binary outputs follow the JSON header.
+
+    ``limit``: bytes the outputs sent as JSON may take (see :func:`.responses.check_json_answer`).
+    """
     default_binary = bool(request_parameters.get("binary_data_output", False))
+    binaries = [bool(t.parameters.get("binary_data", default_binary)) for t in response.outputs]
+    if limit is not None:
+        check_json_answer(sum(t.data.size for t, b in zip(response.outputs, binaries) if not b), limit,
+                          response.model_name, "ask for binary outputs (parameter binary_data_output, as "
+                          "tritonclient does by default) or only output_last instead of output")
     outputs = []
     blobs: list[bytes] = []
-    for t in response.outputs:
-        binary = bool(t.parameters.get("binary_data", default_binary))
+    for t, binary in zip(response.outputs, binaries):
         entry: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
         if binary:
             raw = np.ascontiguousarray(t.data, dtype=t.data.dtype.newbyteorder("<")).tobytes()

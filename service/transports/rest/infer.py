@@ -46,9 +46,9 @@ async def infer_response(dataplane: DataPlane, request: Request, model: str, ver
         req = decode_request(body, header, model, version)
     resp = await dataplane.infer(req)
     if sum(t.data.size for t in resp.outputs) > _OFFLOAD_VALUES:
-        content, headers = await run_in_threadpool(encode_response, resp, req.parameters)
+        content, headers = await run_in_threadpool(encode_response, resp, req.parameters, max_request_bytes)
     else:
-        content, headers = encode_response(resp, req.parameters)
+        content, headers = encode_response(resp, req.parameters, max_request_bytes)
     return Response(content, headers=headers)
 
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat
 
 from ...dataplane.types import InferRequest, InferResponse, InferTensor, RequestedOutput
 from ...errors import InvalidInput
+from .responses import check_json_answer
 
 PredictOutput = Literal["output", "output_last", "h_n", "c_n"]
 
@@ -74,8 +75,16 @@ def to_infer_request(model: str, body: PredictRequest) -> InferRequest:
     ], outputs)
 
 
-def to_predictions(response: InferResponse, lengths: list[int]) -> dict[str, Any]:
-    """Split the batched response per instance, trimming ``output`` to each instance's length."""
+def to_predictions(response: InferResponse, lengths: list[int], limit: int | None = None) -> dict[str, Any]:
+    """Split the batched response per instance, trimming ``output`` to each instance's length.
+
+    ``limit``: bytes the answer may take as JSON (see :func:`.responses.check_json_answer`).
+    """
+    if limit is not None:
+        values = sum(t.data.shape[-1] * sum(lengths) if t.name == "output" else t.data.size  # output: trimmed
+                     for t in response.outputs)
+        check_json_answer(values, limit, response.model_name, 'ask for "outputs": ["output_last"] (the '
+                          'default also sends every step\'s output)')
     preds: list[dict[str, Any]] = [{} for _ in lengths]
     for t in response.outputs:
         for i, n in enumerate(lengths):
