@@ -88,9 +88,27 @@ class RequestedOutput:
     parameters: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class AnswerLimit:
+    """How large the transport can send a request's answer, so that validation refuses it before it runs.
+
+    ``value_bytes``: what one number of an output costs on the wire (``default`` for outputs it
+    does not name; 0: not held to the limit). ``trimmed``: ``output`` goes back cut to each
+    sequence's length (/v1 predict) rather than padded to T. ``remedy``: what the client can
+    ask for instead; ``what``: the limit's name in the message.
+    """
+
+    limit: int
+    default: int
+    remedy: str
+    value_bytes: dict[str, int] = field(default_factory=dict)
+    trimmed: bool = False
+    what: str = "the server's limit on answers"
+
+
 @dataclass
 class InferRequest:
-    """A decoded inference request."""
+    """A decoded inference request; ``answer_limit``: the transport's bound on its answer, if any."""
 
     model_name: str
     model_version: str = ""
@@ -98,6 +116,7 @@ class InferRequest:
     inputs: list[InferTensor] = field(default_factory=list)
     outputs: list[RequestedOutput] | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
+    answer_limit: AnswerLimit | None = None
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidInput
+from ..errors import InvalidInput, TooLarge
 from ..scheduler import SequenceWork
 from .signature import FLOAT_TYPES, INT_TYPES, ModelSignature
 from .types import InferRequest, InferTensor, refuse_extensions
@@ -117,6 +117,28 @@ def to_work(request: InferRequest, sig: ModelSignature, max_sequence_length: int
     h0 = _state(tensors.get("h_0"), b, sig.state_rows, sig.state_size, model)
     c0 = _state(tensors.get("c_0"), b, sig.cell_rows, sig.cell_size, model)
     return SequenceWork(x, lengths, h0, c0, requested_outputs(request, sig))
+
+
+def check_answer(request: InferRequest, work: SequenceWork, sig: ModelSignature) -> None:
+    """TooLarge when the answer to ``request`` would be over its transport's :class:`AnswerLimit`.
+
+    Checked before the request runs, so that it costs no engine time and counts as refused:
+    an answer can hold far more numbers than its request (``output`` is [B, T, D*Ho] for an
+    input of [B, T, I]).
+    """
+    bound = request.answer_limit
+    if bound is None:
+        return
+    b = work.sequences
+    steps = int(work.lengths.sum()) if bound.trimmed else b * int(work.x.shape[1])
+    values = {"output": steps * sig.output_size, "output_last": b * sig.output_size,
+              "h_n": b * sig.state_rows * (sig.state_size or 0), "c_n": b * sig.cell_rows * (sig.cell_size or 0)}
+    size = sum(values[name] * bound.value_bytes.get(name, bound.default) for name in work.outputs)
+    if size > bound.limit:
+        raise TooLarge(
+            f"the answer of model '{request.model_name}' would take about {size / 2**20:,.1f} MiB "
+            f"({', '.join(f'{n}: {values[n]:,} numbers' for n in sorted(work.outputs))}), over {bound.what} "
+            f"of {bound.limit:,} bytes (--max-request-bytes); {bound.remedy}, or send fewer or shorter sequences")
 
 
 def requested_outputs(request: InferRequest, sig: ModelSignature) -> frozenset[str]:

@@ -20,7 +20,7 @@ import numpy as np
 from ..scheduler import MemoryBudget, SequenceWork
 from .signature import ModelSignature
 from .types import InferRequest, InferResponse, InferTensor, datatype_of
-from .validation import StreamRequest, request_deadline, stream_request, to_work
+from .validation import StreamRequest, check_answer, request_deadline, stream_request, to_work
 
 @dataclass(frozen=True)
 class ModelView:
@@ -59,6 +59,7 @@ def prepare(request: InferRequest, view: ModelView) -> Prepared:
     stream = stream_request(request.parameters)
     work = to_work(request, view.signature, view.max_sequence_length, stream)
     view.budget.check(work.sequences, work.steps, view.name)
+    check_answer(request, work, view.signature)
     return Prepared(work, deadline, stream)
 
 

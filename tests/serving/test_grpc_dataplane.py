@@ -122,8 +122,20 @@ def test_an_answer_over_the_message_limit_says_what_to_change(served):
         with pytest.raises(InferenceServerException) as info:
             client.infer("lstm", triton_inputs(tg, x, lengths), outputs=[tg.InferRequestedOutput("output")])
         assert info.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
-        assert f"over the server's gRPC message limit of {LIMIT} bytes" in info.value.message()
+        assert f"over the server's gRPC message limit of {LIMIT:,} bytes" in info.value.message()
+        assert "(output: 75,000 numbers)" in info.value.message()
         assert "output_last instead of output" in info.value.message()
+
+        # tensors within the limit, the whole message over it by its names and shapes: refused after it ran
+        x_edge = x[:, :13107]  # output: 65,535 numbers, 262,140 bytes
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("lstm", triton_inputs(tg, x_edge, np.array([13107], np.int32)),
+                         outputs=[tg.InferRequestedOutput("output")])
+        assert info.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+        assert f"bytes, over the server's gRPC message limit of {LIMIT:,} bytes" in info.value.message()
+        fits = client.infer("lstm", triton_inputs(tg, x[:, :13100], np.array([13100], np.int32)),
+                            outputs=[tg.InferRequestedOutput("output")])
+        np.testing.assert_allclose(fits.as_numpy("output"), engine.forward(x[:, :13100]).output, rtol=1e-5, atol=1e-6)
 
         results: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: results.put((result, error)), stream_timeout=30)

@@ -9,7 +9,7 @@ import pytest
 from service import create_engine
 from service.repository import load_model
 
-from serving_support import LSTM, make_model, rest_client, write_config
+from serving_support import LSTM, make_model, metric_value, rest_client, write_config
 
 pytestmark = pytest.mark.asyncio
 
@@ -378,13 +378,14 @@ async def test_json_answers_are_held_to_the_request_limit(repo):
     """An answer can hold far more numbers than its request; as JSON it is refused before it is encoded."""
     # output: 8,000 numbers; inputs in quarters (exact in FP32) keep the 4,000 of the request short
     x = (np.round(np.random.default_rng(5).standard_normal((1, 1000, 4)) * 4) / 4).astype(np.float32)
-    async with rest_client(repo, max_request_bytes=64 * 1024) as (client, _):
+    async with rest_client(repo, max_request_bytes=64 * 1024) as (client, dataplane):
         body = _infer_body(x, outputs=["output", "h_n"])
         assert len(json.dumps(body)) < 64 * 1024
         r = await client.post("/v2/models/lstm/infer", json=body)
         assert r.status_code == 413, r.text
-        assert ("the answer of model 'lstm' holds 8,016 numbers, about 0.2 MiB as JSON, over the server's limit of "
-                "65,536 bytes (--max-request-bytes); ask for binary outputs") in r.json()["error"]
+        assert ("the answer of model 'lstm' would take about 0.2 MiB (h_n: 16 numbers, output: 8,000 numbers), over "
+                "the server's limit on JSON answers of 65,536 bytes (--max-request-bytes); ask for binary outputs"
+                ) in r.json()["error"]
         r = await client.post("/v2/models/lstm/infer", json={**body, "parameters": {"binary_data_output": True}})
         assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
         r = await client.post("/v2/models/lstm/infer", json=_infer_body(x, outputs=["output_last", "h_n"]))
@@ -394,10 +395,15 @@ async def test_json_answers_are_held_to_the_request_limit(repo):
         seqs = {"instances": [x[0].tolist(), x[0, :10].tolist()]}
         r = await client.post("/v1/models/lstm:predict", json=seqs)
         assert r.status_code == 413 and 'ask for "outputs": ["output_last"]' in r.json()["error"]
-        assert "holds 8,096 numbers" in r.json()["error"]  # output trimmed to 1000 + 10 steps, output_last 2 x 8
+        # output trimmed to each instance's length: 1,010 steps, not 2 x 1,000
+        assert "(output: 8,080 numbers, output_last: 16 numbers)" in r.json()["error"]
         r = await client.post("/v1/models/lstm:predict", json={**seqs, "outputs": ["output_last"]})
         assert r.status_code == 200 and len(r.json()["predictions"]) == 2
         assert (await client.get("/v2/health/live")).status_code == 200
+        # refused before they ran: counted as such, and the engine computed only the three answered
+        assert metric_value(dataplane, "rnnserve_requests_total", model="lstm", outcome="resource_exhausted") == 2
+        assert metric_value(dataplane, "rnnserve_requests_total", model="lstm", outcome="success") == 3
+        assert metric_value(dataplane, "rnnserve_batch_size_count", model="lstm") == 3
 
 
 async def test_model_ready_of_a_broken_folder_is_false(repo):

@@ -55,6 +55,21 @@ async def test_chunks_equal_the_whole_sequence(repo):
     np.testing.assert_allclose(got[-1]["c_n"], whole.c_n, atol=1e-5)
 
 
+async def test_a_chunk_whose_answer_is_too_large_is_refused_before_it_moves_the_stream(repo):
+    """Refused before it runs: the stream's state stays where the last answered chunk left it."""
+    x = (np.round(np.random.default_rng(2).standard_normal((1, 1100, 4)) * 4) / 4).astype(np.float32)
+    engine = create_engine(load_model(repo / "lstm"), "cpu")
+    async with rest_client(repo, max_request_bytes=64 * 1024) as (client, _):
+        first = _outputs(await client.post("/v2/models/lstm/infer", json=_chunk(x[:, :100], 9, True)))
+        r = await client.post("/v2/models/lstm/infer", json=_chunk(x[:, 100:1100], 9))  # 8,000 output numbers as JSON
+        assert r.status_code == 413 and "over the server's limit on JSON answers" in r.json()["error"]
+        last = _outputs(await client.post("/v2/models/lstm/infer", json=_chunk(x[:, 1000:1100], 9, end=True)))
+    # the last chunk continued from the first: as if the refused one had never been sent
+    whole = engine.forward(np.concatenate([x[:, :100], x[:, 1000:1100]], axis=1))
+    np.testing.assert_allclose(np.concatenate([first["output"], last["output"]], axis=1), whole.output, atol=1e-5)
+    np.testing.assert_allclose(last["h_n"], whole.h_n, atol=1e-5)
+
+
 async def test_interleaved_streams_batch_together(repo):
     rng = np.random.default_rng(1)
     seqs = {f"s{i}": rng.standard_normal((1, 9, 4)).astype(np.float32) for i in range(12)}

@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator
 
 from google.protobuf import json_format
 
+from ...dataplane.types import AnswerLimit
 from ...errors import InvalidInput, TooLarge
 from .codec import decode_parameters, decode_request, encode_response
 from .generated import inference_pb2 as pb
@@ -46,14 +47,19 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def _answer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
         """The ModelInferResponse to ``request``, refused with a message that says what to change when it is
         over the message limit (grpc would fail the send with only the two sizes)."""
-        response = encode_response(await self._dataplane.infer(decode_request(request)))
+        decoded = decode_request(request)
         limit = self._max_message_bytes
-        # ByteSize encodes the whole message, so only answers whose tensors come near the limit pay for it.
+        if limit is not None:  # refused before it runs when its FP32 outputs alone are over the limit
+            decoded.answer_limit = AnswerLimit(limit, 4, "ask only for the outputs you need (output_last instead of "
+                                                         "output), raise the limit", what="the server's gRPC message limit")
+        response = encode_response(await self._dataplane.infer(decoded))
+        # Its tensors within the limit, the whole message may still be over it by its names and shapes: the exact
+        # size, but ByteSize encodes the whole message, so only answers whose tensors come near the limit pay for it.
         if (limit is not None and sum(map(len, response.raw_output_contents)) > limit - _SIZE_HEADROOM
                 and (size := response.ByteSize()) > limit):
             raise TooLarge(
-                f"the answer of model '{request.model_name}' is {size} bytes, over the server's gRPC message limit "
-                f"of {limit} bytes (--max-request-bytes); ask only for the outputs you need (output_last instead of "
+                f"the answer of model '{request.model_name}' is {size:,} bytes, over the server's gRPC message limit "
+                f"of {limit:,} bytes (--max-request-bytes); ask only for the outputs you need (output_last instead of "
                 f"output), send fewer or shorter sequences per request, or raise the limit")
         return response
 

@@ -138,9 +138,9 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
             raise InvalidInput(f"invalid request body: {problems}") from None
-        req = to_infer_request(model, body)
+        req = to_infer_request(model, body, max_request_bytes)
         resp = await dataplane.infer(req)
-        return to_predictions(resp, [len(s) for s in body.instances], max_request_bytes)
+        return to_predictions(resp, [len(s) for s in body.instances])
 
     # ---- repository extension ---------------------------------------------------------------------------------
 

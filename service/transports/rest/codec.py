@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from ...dataplane.types import (InferRequest, InferResponse, InferTensor, RequestedOutput, check_shape_size,
+from ...dataplane.types import (AnswerLimit, InferRequest, InferResponse, InferTensor, RequestedOutput, check_shape_size,
                                 numpy_dtype, refuse_extensions)
 from ...dataplane.validation import bool_parameter
 from ...errors import InvalidInput
-from .responses import check_json_answer
+from .responses import JSON_VALUE_BYTES
 
 HEADER = "Inference-Header-Content-Length"
 
@@ -156,21 +156,24 @@ def _json_values(name: str, datatype: str, dtype: np.dtype, data: Any) -> np.nda
                            f"rectangular numbers within its range): {exc}") from exc
 
 
-def encode_response(response: InferResponse, request_parameters: dict[str, Any],
-                    limit: int | None = None) -> tuple[bytes, dict[str, str]]:
-    """Body and headers of a V2 infer response; binary outputs follow the JSON header.
+def answer_limit(request: InferRequest, limit: int) -> AnswerLimit:
+    """The bound on ``request``'s answer: outputs sent as JSON take ~20 bytes a number (:data:`JSON_VALUE_BYTES`)
+    and may come to at most ``limit`` bytes; binary outputs are not held to it."""
+    default_binary = bool(request.parameters.get("binary_data_output", False))
+    cost = {o.name: 0 if o.parameters.get("binary_data", default_binary) else JSON_VALUE_BYTES
+            for o in request.outputs or []}
+    return AnswerLimit(limit, 0 if default_binary else JSON_VALUE_BYTES,
+                       "ask for binary outputs (parameter binary_data_output, as tritonclient does by default) or "
+                       "only output_last instead of output", cost, what="the server's limit on JSON answers")
 
-    ``limit``: bytes the outputs sent as JSON may take (see :func:`.responses.check_json_answer`).
-    """
+
+def encode_response(response: InferResponse, request_parameters: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
+    """Body and headers of a V2 infer response; binary outputs follow the JSON header."""
     default_binary = bool(request_parameters.get("binary_data_output", False))
-    binaries = [bool(t.parameters.get("binary_data", default_binary)) for t in response.outputs]
-    if limit is not None:
-        check_json_answer(sum(t.data.size for t, b in zip(response.outputs, binaries) if not b), limit,
-                          response.model_name, "ask for binary outputs (parameter binary_data_output, as "
-                          "tritonclient does by default) or only output_last instead of output")
     outputs = []
     blobs: list[bytes] = []
-    for t, binary in zip(response.outputs, binaries):
+    for t in response.outputs:
+        binary = bool(t.parameters.get("binary_data", default_binary))
         entry: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
         if binary:
             raw = np.ascontiguousarray(t.data, dtype=t.data.dtype.newbyteorder("<")).tobytes()

@@ -23,7 +23,7 @@ from starlette.responses import Response
 
 from ...dataplane import DataPlane
 from ...errors import RNNServeError
-from .codec import HEADER, decode_request, encode_response
+from .codec import HEADER, answer_limit, decode_request, encode_response
 from .responses import decompress, error_response, read_body
 
 # Bodies and outputs past these sizes are decoded/encoded in a worker thread, so one large JSON
@@ -44,11 +44,12 @@ async def infer_response(dataplane: DataPlane, request: Request, model: str, ver
         req = await run_in_threadpool(decode_request, body, header, model, version)
     else:
         req = decode_request(body, header, model, version)
+    req.answer_limit = answer_limit(req, max_request_bytes)
     resp = await dataplane.infer(req)
     if sum(t.data.size for t in resp.outputs) > _OFFLOAD_VALUES:
-        content, headers = await run_in_threadpool(encode_response, resp, req.parameters, max_request_bytes)
+        content, headers = await run_in_threadpool(encode_response, resp, req.parameters)
     else:
-        content, headers = encode_response(resp, req.parameters, max_request_bytes)
+        content, headers = encode_response(resp, req.parameters)
     return Response(content, headers=headers)
 
 

@@ -12,9 +12,9 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat
 
-from ...dataplane.types import InferRequest, InferResponse, InferTensor, RequestedOutput
+from ...dataplane.types import AnswerLimit, InferRequest, InferResponse, InferTensor, RequestedOutput
 from ...errors import InvalidInput
-from .responses import check_json_answer
+from .responses import JSON_VALUE_BYTES
 
 PredictOutput = Literal["output", "output_last", "h_n", "c_n"]
 
@@ -46,8 +46,8 @@ class PredictResponse(BaseModel):
         ..., description="Per instance: output_last [D*Ho], output [its length, D*Ho], and h_n/c_n if asked.")
 
 
-def to_infer_request(model: str, body: PredictRequest) -> InferRequest:
-    """Pad the instances into one V2 request with a lengths input."""
+def to_infer_request(model: str, body: PredictRequest, limit: int | None = None) -> InferRequest:
+    """Pad the instances into one V2 request with a lengths input; ``limit``: bytes its JSON answer may take."""
     if not body.instances:
         raise InvalidInput("'instances' is empty; send at least one sequence")
     lengths = []
@@ -69,22 +69,17 @@ def to_infer_request(model: str, body: PredictRequest) -> InferRequest:
             x[i, :lengths[i]] = np.asarray(seq, dtype=np.float32)
     lens = np.asarray(lengths, dtype=np.int64)
     outputs = [RequestedOutput(n) for n in (body.outputs or ["output_last", "output"])]
+    bound = None if limit is None else AnswerLimit(
+        limit, JSON_VALUE_BYTES, 'ask for "outputs": ["output_last"] (the default also sends every step\'s output)',
+        trimmed=True, what="the server's limit on JSON answers")
     return InferRequest(model, "", "", [
         InferTensor("input", "FP32", list(x.shape), x),
         InferTensor("lengths", "INT64", [len(lengths)], lens),
-    ], outputs)
+    ], outputs, answer_limit=bound)
 
 
-def to_predictions(response: InferResponse, lengths: list[int], limit: int | None = None) -> dict[str, Any]:
-    """Split the batched response per instance, trimming ``output`` to each instance's length.
-
-    ``limit``: bytes the answer may take as JSON (see :func:`.responses.check_json_answer`).
-    """
-    if limit is not None:
-        values = sum(t.data.shape[-1] * sum(lengths) if t.name == "output" else t.data.size  # output: trimmed
-                     for t in response.outputs)
-        check_json_answer(values, limit, response.model_name, 'ask for "outputs": ["output_last"] (the '
-                          'default also sends every step\'s output)')
+def to_predictions(response: InferResponse, lengths: list[int]) -> dict[str, Any]:
+    """Split the batched response per instance, trimming ``output`` to each instance's length."""
     preds: list[dict[str, Any]] = [{} for _ in lengths]
     for t in response.outputs:
         for i, n in enumerate(lengths):

@@ -11,7 +11,6 @@ from ...errors import STATUS_TABLE, InvalidInput, RNNServeError, TooLarge
 # zlib window bits of each request Content-Encoding tritonclient sends (gzip.compress, zlib.compress)
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
-
 # Bytes a number takes in a JSON answer: Python prints each float32 as the double nearest it, up to ~20
 # characters with its comma (-0.0012345678918063641,), and holds it meanwhile as a float in a list (32 bytes).
 JSON_VALUE_BYTES = 20
@@ -19,21 +18,6 @@ JSON_VALUE_BYTES = 20
 
 class RequestTooLarge(TooLarge):
     """The request body is larger than --max-request-bytes."""
-
-
-def check_json_answer(values: int, limit: int, model: str, remedy: str) -> None:
-    """TooLarge, before any of it is encoded, when ``values`` numbers as JSON would take over ``limit`` bytes.
-
-    The request's limit bounds its answer too (as gRPC's message limit does both ways): an answer
-    can hold far more numbers than its request (``output`` is [B, T, D*Ho] for an input of
-    [B, T, I]), and as JSON each takes ~20 bytes and ~50 while it is encoded, so an unbounded one
-    could take the server's memory. ``remedy``: what the client can ask for instead.
-    """
-    if values * JSON_VALUE_BYTES > limit:
-        raise TooLarge(
-            f"the answer of model '{model}' holds {values:,} numbers, about {values * JSON_VALUE_BYTES / 2**20:,.1f} "
-            f"MiB as JSON, over the server's limit of {limit:,} bytes (--max-request-bytes); {remedy}, or send "
-            f"fewer or shorter sequences")
 
 
 def error_response(exc: RNNServeError) -> JSONResponse:
