@@ -43,6 +43,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from .engines import create_engine
     from .packing import block_layout, block_param_count
     from .repository import load_model
+    from .scheduler import MemoryBudget
 
     model = load_model(args.model)
     info = {
@@ -50,11 +51,15 @@ def _inspect(args: argparse.Namespace) -> int:
         "parameters": model.parameter_count, "provenance": model.provenance,
         "blocks": [b.to_dict() for b in model.spec.blocks], "config": model.config.model_dump(),
     }
-    engine_info = None
+    engine_info = engine = None
     if args.device:
         engine = create_engine(model, args.device)
         engine_info = engine.describe()
         info["engine"] = engine_info
+    # what max_batch_memory_mb means for this model (model config.json only: the server's flag may override it)
+    budget = MemoryBudget.of(model.spec, model.config.max_batch_memory_mb, engine)
+    info["memory"] = {"step_bytes": budget.step_bytes, "limit_bytes": budget.limit_bytes,
+                      "max_sequence_steps": budget.max_steps}
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return 0
@@ -72,6 +77,11 @@ def _inspect(args: argparse.Namespace) -> int:
             print(f"  {e.kind:<7}{e.pseudo_layer:>7}{layer:>6}{d:>4}{e.lin_id:>4}  {e.describe(blk.cell):<8}{shape:<12}{e.offset:>10}")
         for name, arr in model.block_extras(k).items():
             print(f"  extra {name}: shape {list(arr.shape)}")
+    source = (f"max_batch_memory_mb {model.config.max_batch_memory_mb}" if model.config.max_batch_memory_mb
+              else "max_batch_memory_mb 0: a quarter of this machine's memory" + (" or GPU's" if engine else ""))
+    print(f"\nmemory: about {budget.step_bytes:,} bytes of engine working memory per sequence step; {source} is "
+          f"{budget.limit_bytes / 2**20:,.0f} MiB, at most {budget.max_steps:,} sequence steps (rows x longest "
+          f"length) per engine call")
     if engine_info is not None:
         _print_engine(engine_info)
     return 0

@@ -47,7 +47,11 @@ def test_convert_inspect_and_engine_reproduce_torch(torch_file, tmp_path):
     # pseudo-layer 2 (layer 1, forward) reads both directions of layer 0: [13, 26]
     assert any(line.split()[:6] == ["matrix", "2", "1", "0", "0", "W_r"] and "13x26" in line
                for line in res.stdout.splitlines())
+    # GRU I=7 H=13, 2 bidirectional layers: 4 x (2*7 + 2*2*3*13 + (2*26 + 2*26) + 3*26) bytes a sequence step
+    assert "memory: about 1,408 bytes of engine working memory per sequence step; max_batch_memory_mb 0" in res.stdout
     info = json.loads(rnnserve("inspect", tmp_path / "repo" / "tagger", "--json", "--device", "cpu").stdout)
+    assert info["memory"]["step_bytes"] == 1408
+    assert info["memory"]["max_sequence_steps"] == info["memory"]["limit_bytes"] // 1408
     assert info["provenance"]["format"] == "torch" and info["provenance"]["selection"] == ["rnn"]
     assert len(info["provenance"]["sha256"]) == 64 and info["engine"]["engine"] == "reference"
 
