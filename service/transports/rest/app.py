@@ -11,7 +11,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import __version__
@@ -21,7 +20,8 @@ from ...metrics import CONTENT_TYPE_LATEST
 from .codec import HEADER, parse_json
 from .infer import InferFastPath, infer_response
 from .responses import error_response, read_body
-from .predict import PredictRequest, PredictResponse, to_infer_request, to_predictions
+from .decode_gate import DecodeGate
+from .predict import PredictRequest, PredictResponse, parse_predict, to_infer_request, to_predictions
 
 
 _INFER_BODY = {
@@ -50,6 +50,8 @@ _INFER_BODY = {
 def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1024) -> InferFastPath:
     """The ASGI app serving ``dataplane`` (no global state; one app per server): infer requests go straight
     to their handler, everything else to the FastAPI app (``.app``)."""
+    # two bodies at the limit decode at once (~25 MB of memory a MB of JSON while it is decoded)
+    gate = DecodeGate(2 * max_request_bytes)
     app = FastAPI(
         title="rnnserve",
         version=__version__,
@@ -118,7 +120,7 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
               openapi_extra=_INFER_BODY)
     async def infer(model: str, request: Request, version: str = "") -> Response:
         # Reached only without InferFastPath in front (it answers these paths first); kept for /docs.
-        return await infer_response(dataplane, request, model, version, max_request_bytes)
+        return await infer_response(dataplane, request, model, version, max_request_bytes, gate)
 
     # The body is parsed here rather than by FastAPI so that `curl -d` without a JSON
     # content type (curl's default is form-urlencoded) still works.
@@ -133,11 +135,7 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
         one row per step of that instance.
         """
         raw = await read_body(request, max_request_bytes)
-        try:
-            body = PredictRequest.model_validate_json(raw)
-        except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
-            raise InvalidInput(f"invalid request body: {problems}") from None
+        body = await gate.decode(parse_predict, raw, size=len(raw))
         req = to_infer_request(model, body, max_request_bytes)
         resp = await dataplane.infer(req)
         return to_predictions(resp, [len(s) for s in body.instances])
@@ -165,7 +163,7 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
     async def metrics() -> Response:
         return Response(await dataplane.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
-    return InferFastPath(app, dataplane, max_request_bytes)
+    return InferFastPath(app, dataplane, max_request_bytes, gate)
 
 
 async def _json_or_empty(request: Request) -> dict:

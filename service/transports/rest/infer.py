@@ -24,26 +24,26 @@ from starlette.responses import Response
 from ...dataplane import DataPlane
 from ...errors import RNNServeError
 from .codec import HEADER, answer_limit, decode_request, encode_response
+from .decode_gate import DecodeGate
 from .responses import decompress, error_response, read_body
 
-# Bodies and outputs past these sizes are decoded/encoded in a worker thread, so one large JSON
-# request does not hold the event loop (and every other request) for its whole parse.
-_OFFLOAD_BYTES = 256 * 1024
+# Outputs past this many values are encoded in a worker thread, so that one large JSON answer does not
+# hold the event loop (and every other request) for its whole encoding (bodies: see .decode_gate).
 _OFFLOAD_VALUES = 64 * 1024
 
 INFER_PATH = re.compile(r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?/infer")
 
 
 async def infer_response(dataplane: DataPlane, request: Request, model: str, version: str,
-                         max_request_bytes: int) -> Response:
-    """Decode a V2 infer request (JSON or binary extension), run it, and encode the answer."""
+                         max_request_bytes: int, gate: DecodeGate) -> Response:
+    """Decode a V2 infer request (JSON or binary extension; a large one through ``gate``), run it, and encode
+    the answer."""
     body = decompress(await read_body(request, max_request_bytes), request.headers.get("content-encoding"),
                       max_request_bytes)
     header = request.headers.get(HEADER)
-    if len(body) > _OFFLOAD_BYTES:
-        req = await run_in_threadpool(decode_request, body, header, model, version)
-    else:
-        req = decode_request(body, header, model, version)
+    # binary tensor data is read in place: only the JSON header counts against the gate
+    json_bytes = min(int(header), len(body)) if header is not None and header.isdigit() else len(body)
+    req = await gate.decode(decode_request, body, header, model, version, size=len(body), json_bytes=json_bytes)
     req.answer_limit = answer_limit(req, max_request_bytes)
     resp = await dataplane.infer(req)
     if sum(t.data.size for t in resp.outputs) > _OFFLOAD_VALUES:
@@ -56,10 +56,11 @@ async def infer_response(dataplane: DataPlane, request: Request, model: str, ver
 class InferFastPath:
     """ASGI app: infer requests go straight to :func:`infer_response`; everything else to ``app`` (FastAPI)."""
 
-    def __init__(self, app: Any, dataplane: DataPlane, max_request_bytes: int) -> None:
+    def __init__(self, app: Any, dataplane: DataPlane, max_request_bytes: int, gate: DecodeGate) -> None:
         self.app = app
         self.dataplane = dataplane
         self.max_request_bytes = max_request_bytes
+        self.gate = gate
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         match = None
@@ -70,7 +71,7 @@ class InferFastPath:
             return
         try:
             response = await infer_response(self.dataplane, Request(scope, receive), match["model"],
-                                            match["version"] or "", self.max_request_bytes)
+                                            match["version"] or "", self.max_request_bytes, self.gate)
         except RNNServeError as exc:
             response = error_response(exc)
         await response(scope, receive, send)

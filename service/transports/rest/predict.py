@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, ValidationError
 
 from ...dataplane.types import AnswerLimit, InferRequest, InferResponse, InferTensor, RequestedOutput
 from ...errors import InvalidInput
@@ -44,6 +44,15 @@ class PredictResponse(BaseModel):
 
     predictions: list[dict[str, Any]] = Field(
         ..., description="Per instance: output_last [D*Ho], output [its length, D*Ho], and h_n/c_n if asked.")
+
+
+def parse_predict(raw: bytes) -> PredictRequest:
+    """The body of a predict request, or InvalidInput naming each problem."""
+    try:
+        return PredictRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
+        raise InvalidInput(f"invalid request body: {problems}") from None
 
 
 def to_infer_request(model: str, body: PredictRequest, limit: int | None = None) -> InferRequest:
