@@ -31,8 +31,8 @@ class ModelConfig(BaseModel):
     )
     max_sequence_length: int = Field(100_000, ge=1, description="Longest T accepted per request.")
     max_batch_memory_mb: int = Field(
-        0, ge=0, description="Working memory one engine call may use, in MiB (estimated from the model's widest "
-                             "layer: rows x longest length x bytes per step). A request needing more alone is "
+        0, ge=0, description="Working memory one engine call may use, in MiB (estimated from the model's layers: "
+                             "rows x longest length x bytes per step; `rnnserve inspect` prints it). A request needing more alone is "
                              "refused with 413 / RESOURCE_EXHAUSTED; batches are formed within it. 0 (the default): "
                              "a quarter of the machine's memory (GPU engine: of the smaller of host and GPU memory).",
     )

@@ -31,8 +31,8 @@ Batching policy
   starves. When everything waiting fits in one batch it runs as one batch: on a
   single worker, splitting would only add engine calls.
 * Memory: a batch also holds at most ``max_batch_steps`` padded sequence-steps (rows x
-  longest length), the model's :class:`~.memory_budget.MemoryBudget`; validation refuses a
-  request over it alone, so only merged front-end work can reach it, and that runs alone.
+  longest length), the model's :class:`~.memory_budget.MemoryBudget`. Validation refuses a
+  request over it alone and front-ends merge within it; an item over it anyway runs alone.
 * A request with more sequences than ``max_batch_size`` runs alone as one batch.
 * Deadlines: a request's ``timeout`` (µs) bounds its time in the queue; when it
   passes before the batch starts, the request fails with :class:`DeadlineExceeded`
