@@ -137,8 +137,12 @@ def check_answer(request: InferRequest, work: SequenceWork, sig: ModelSignature)
     if size > bound.limit:
         raise TooLarge(
             f"the answer of model '{request.model_name}' would take about {size / 2**20:,.1f} MiB "
-            f"({', '.join(f'{n}: {values[n]:,} numbers' for n in sorted(work.outputs))}), over {bound.what} "
+            f"({', '.join(_count(n, values[n]) for n in sorted(work.outputs))}), over {bound.what} "
             f"of {bound.limit:,} bytes (--max-request-bytes); {bound.remedy}, or send fewer or shorter sequences")
+
+
+def _count(name: str, values: int) -> str:
+    return f"{name}: {values:,} number" + ("" if values == 1 else "s")
 
 
 def requested_outputs(request: InferRequest, sig: ModelSignature) -> frozenset[str]:
