@@ -388,6 +388,9 @@ async def test_json_answers_are_held_to_the_request_limit(repo):
                 ) in r.json()["error"]
         r = await client.post("/v2/models/lstm/infer", json={**body, "parameters": {"binary_data_output": True}})
         assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
+        per_output = {**body, "outputs": [{"name": "output", "parameters": {"binary_data": True}}, {"name": "h_n"}]}
+        r = await client.post("/v2/models/lstm/infer", json=per_output)  # only h_n as JSON: within the limit
+        assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
         r = await client.post("/v2/models/lstm/infer", json=_infer_body(x, outputs=["output_last", "h_n"]))
         assert r.status_code == 200
         np.testing.assert_allclose(_outputs(r)["output_last"], _engine(repo, "lstm").forward(x).output[:, -1],
@@ -400,10 +403,10 @@ async def test_json_answers_are_held_to_the_request_limit(repo):
         r = await client.post("/v1/models/lstm:predict", json={**seqs, "outputs": ["output_last"]})
         assert r.status_code == 200 and len(r.json()["predictions"]) == 2
         assert (await client.get("/v2/health/live")).status_code == 200
-        # refused before they ran: counted as such, and the engine computed only the three answered
+        # refused before they ran: counted as such, and the engine computed only the four answered
         assert metric_value(dataplane, "rnnserve_requests_total", model="lstm", outcome="resource_exhausted") == 2
-        assert metric_value(dataplane, "rnnserve_requests_total", model="lstm", outcome="success") == 3
-        assert metric_value(dataplane, "rnnserve_batch_size_count", model="lstm") == 3
+        assert metric_value(dataplane, "rnnserve_requests_total", model="lstm", outcome="success") == 4
+        assert metric_value(dataplane, "rnnserve_batch_size_count", model="lstm") == 4
 
 
 async def test_model_ready_of_a_broken_folder_is_false(repo):

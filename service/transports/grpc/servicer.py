@@ -43,15 +43,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self._dataplane = dataplane
         self._stream_window = stream_window
         self._max_message_bytes = max_message_bytes
+        # answers are FP32 raw contents, 4 bytes a number: refused before they run when those alone are over the limit
+        self._answer_limit = None if max_message_bytes is None else AnswerLimit(
+            max_message_bytes, 4, "ask only for the outputs you need (output_last instead of output), raise the limit",
+            what="the server's gRPC message limit")
 
     async def _answer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
         """The ModelInferResponse to ``request``, refused with a message that says what to change when it is
         over the message limit (grpc would fail the send with only the two sizes)."""
         decoded = decode_request(request)
+        decoded.answer_limit = self._answer_limit
         limit = self._max_message_bytes
-        if limit is not None:  # refused before it runs when its FP32 outputs alone are over the limit
-            decoded.answer_limit = AnswerLimit(limit, 4, "ask only for the outputs you need (output_last instead of "
-                                                         "output), raise the limit", what="the server's gRPC message limit")
         response = encode_response(await self._dataplane.infer(decoded))
         # Its tensors within the limit, the whole message may still be over it by its names and shapes: the exact
         # size, but ByteSize encodes the whole message, so only answers whose tensors come near the limit pay for it.

@@ -10,6 +10,7 @@ output does not say otherwise; the response then carries the same header and is
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from typing import Any
@@ -156,15 +157,31 @@ def _json_values(name: str, datatype: str, dtype: np.dtype, data: Any) -> np.nda
                            f"rectangular numbers within its range): {exc}") from exc
 
 
+def _binary(parameters: dict[str, Any], default_binary: bool) -> bool:
+    """Whether an output with these parameters is sent as binary data (else as JSON)."""
+    return bool(parameters.get("binary_data", default_binary))
+
+
+@functools.lru_cache(maxsize=64)
+def _uniform_limit(limit: int, default_binary: bool) -> AnswerLimit:
+    # every output sent one way: one AnswerLimit per (limit, way), not one per request
+    return AnswerLimit(limit, 0 if default_binary else JSON_VALUE_BYTES, _REMEDY, what=_WHAT)
+
+
+_REMEDY = ("ask for binary outputs (parameter binary_data_output, as tritonclient does by default) or only "
+           "output_last instead of output")
+_WHAT = "the server's limit on JSON answers"
+
+
 def answer_limit(request: InferRequest, limit: int) -> AnswerLimit:
     """The bound on ``request``'s answer: outputs sent as JSON take ~20 bytes a number (:data:`JSON_VALUE_BYTES`)
     and may come to at most ``limit`` bytes; binary outputs are not held to it."""
     default_binary = bool(request.parameters.get("binary_data_output", False))
-    cost = {o.name: 0 if o.parameters.get("binary_data", default_binary) else JSON_VALUE_BYTES
-            for o in request.outputs or []}
-    return AnswerLimit(limit, 0 if default_binary else JSON_VALUE_BYTES,
-                       "ask for binary outputs (parameter binary_data_output, as tritonclient does by default) or "
-                       "only output_last instead of output", cost, what="the server's limit on JSON answers")
+    named = [o for o in request.outputs or [] if "binary_data" in o.parameters]
+    if not named:
+        return _uniform_limit(limit, default_binary)
+    cost = {o.name: 0 if _binary(o.parameters, default_binary) else JSON_VALUE_BYTES for o in named}
+    return AnswerLimit(limit, 0 if default_binary else JSON_VALUE_BYTES, _REMEDY, cost, what=_WHAT)
 
 
 def encode_response(response: InferResponse, request_parameters: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
@@ -173,7 +190,7 @@ def encode_response(response: InferResponse, request_parameters: dict[str, Any])
     outputs = []
     blobs: list[bytes] = []
     for t in response.outputs:
-        binary = bool(t.parameters.get("binary_data", default_binary))
+        binary = _binary(t.parameters, default_binary)
         entry: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
         if binary:
             raw = np.ascontiguousarray(t.data, dtype=t.data.dtype.newbyteorder("<")).tobytes()
