@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import signal
-import socket
 import sys
 from typing import Any, Callable, Iterator
 
@@ -30,6 +28,7 @@ from .dataplane import DataPlane
 from .errors import RNNServeError
 from .heap import freeze_heap
 from .metrics import ServerMetrics
+from .ports import bind_listener
 from .registry import DEFAULTED_FIELDS, ModelRegistry
 from .settings import ServeSettings
 from .transports.rest import create_rest_app
@@ -66,23 +65,6 @@ class _UvicornServer(uvicorn.Server):
         yield
 
 
-def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP; with proto 0
-    # every response pays Nagle + delayed ACK (~40 ms).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise RNNServeError(f"cannot listen on {host}:{port}: {exc.strerror}; choose another port") from exc
-    sock.set_inheritable(True)
-    return sock
-
-
 def announce(line: str) -> None:
     """Print ``line`` (the ports line that scripts and tests read) in one write.
 
@@ -94,18 +76,7 @@ def announce(line: str) -> None:
     sys.stdout.flush()
 
 
-def _free_port(host: str, avoid: int = 0) -> int:
-    """A port that is free on ``host`` now, other than ``avoid``: the port is released before the front-ends
-    bind it, so the next free port asked for may be the same one (HTTP and gRPC would then share a port)."""
-    for _ in range(100):
-        with contextlib.closing(_bind(host, 0)) as sock:
-            port = sock.getsockname()[1]
-        if port != avoid:
-            return port
-    raise RNNServeError(f"could not find a free port on {host} other than {avoid}; set --http-port and --grpc-port")
-
-
-async def _start_grpc(dataplane: DataPlane, settings: ServeSettings) -> tuple[Any, str]:
+async def _start_grpc(dataplane: DataPlane, settings: ServeSettings, reuse_port: bool) -> tuple[Any, str]:
     """Start the gRPC server; return (server or None, the 'gRPC on ...' / 'gRPC off (...)' phrase)."""
     if settings.grpc_port < 0:
         return None, "gRPC off (--grpc-port -1)"
@@ -114,15 +85,10 @@ async def _start_grpc(dataplane: DataPlane, settings: ServeSettings) -> tuple[An
     except ImportError as exc:
         log.warning("gRPC transport is not available (%s); serving REST only", exc)
         return None, f"gRPC off (transport not available: {exc})"
-    port = settings.grpc_port
-    if "max_message_bytes" in inspect.signature(create_grpc_server).parameters:
-        server = create_grpc_server(dataplane, settings.host, port, max_message_bytes=settings.max_request_bytes)
-    else:
-        port = port or _free_port(settings.host)
-        server = create_grpc_server(dataplane, settings.host, port)
+    server = create_grpc_server(dataplane, settings.host, settings.grpc_port,
+                                max_message_bytes=settings.max_request_bytes, reuse_port=reuse_port)
     await server.start()
-    port = getattr(server, "bound_port", None) or port
-    return server, f"gRPC on {settings.host}:{port}"
+    return server, f"gRPC on {settings.host}:{server.bound_port}"
 
 
 class Transports:
@@ -136,7 +102,7 @@ class Transports:
     @classmethod
     async def start(cls, dataplane: Any, settings: ServeSettings, reuse_port: bool = False) -> "Transports":
         """Bind and start both servers (``reuse_port``: share the ports with sibling front-end processes)."""
-        sock = _bind(settings.host, settings.http_port, reuse_port)
+        sock = bind_listener(settings.host, settings.http_port, reuse_port)
         http_port = sock.getsockname()[1]
         config = uvicorn.Config(create_rest_app(dataplane, settings.max_request_bytes), lifespan="off",
                                 log_level=settings.log_level, access_log=settings.log_level == "debug",
@@ -149,7 +115,7 @@ class Transports:
             http_task.result()
             raise RNNServeError("the HTTP server stopped during startup")
         try:
-            grpc_server, grpc_phrase = await _start_grpc(dataplane, settings)
+            grpc_server, grpc_phrase = await _start_grpc(dataplane, settings, reuse_port)
         except Exception as exc:
             http.should_exit = True
             await http_task

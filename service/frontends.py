@@ -22,12 +22,13 @@ import tempfile
 from typing import Any
 
 from . import eventloop
-from .app import Transports, _free_port, announce, install_stop_handlers, remove_stop_handlers
+from .app import Transports, announce, install_stop_handlers, remove_stop_handlers
 from .children import die_with_parent, run_child, start_children, stop_children, watch_children
 from .dataplane.remote import RemoteDataPlane
 from .dataplane.shards import ShardedDataPlane
 from .engine_processes import EngineHost, engine_socket, run_engine_process
 from .heap import freeze_heap
+from .ports import PortClaim, claim_port
 from .settings import ServeSettings
 
 log = logging.getLogger("rnnserve.frontends")
@@ -64,8 +65,17 @@ async def serve_with_frontends(settings: ServeSettings, stop_event: asyncio.Even
     """Run engine process 0 with ``settings.engines - 1`` more engine processes and ``settings.frontends``
     front-end processes until SIGTERM/SIGINT."""
     host_name = settings.host
-    http_port = settings.http_port or _free_port(host_name)
-    grpc_port = settings.grpc_port if settings.grpc_port != 0 else _free_port(host_name, avoid=http_port)
+    # held until the front-ends are gone, so that no other server joins their ports (see service.ports)
+    claims: list[PortClaim] = [claim_port(host_name, settings.http_port)]
+    http_port = claims[0].port
+    grpc_port = settings.grpc_port
+    if grpc_port >= 0:
+        try:
+            claims.append(claim_port(host_name, grpc_port, avoid=http_port))
+        except BaseException:
+            claims[0].close()
+            raise
+        grpc_port = claims[1].port
     child_settings = settings.model_dump(mode="json") | {"http_port": http_port, "grpc_port": grpc_port,
                                                          "frontends": 1, "engines": 1}
     folder = tempfile.mkdtemp(prefix="rnnserve-")
@@ -105,6 +115,8 @@ async def serve_with_frontends(settings: ServeSettings, stop_event: asyncio.Even
         await host.stop()
         remove_stop_handlers()
         shutil.rmtree(folder, ignore_errors=True)
+        for claim in claims:
+            claim.close()
     if dead:
         log.error("rnnserve: a child process exited unexpectedly: %s", ", ".join(dead))
         return 1

@@ -227,30 +227,6 @@ def _listens_on(pid: int, socket_name: str) -> bool:
     return any(link.startswith("socket:") and link.strip("socket:[]") in inodes for link in links)
 
 
-def test_the_grpc_port_picked_for_front_ends_is_never_the_http_port(monkeypatch):
-    from service import app
-
-    # the system hands back a released port again (it may: the front-ends bind theirs later)
-    ports = iter([41000, 41000, 41001])
-
-    class Fake:
-        def __init__(self, port):
-            self.port = port
-
-        def getsockname(self):
-            return ("127.0.0.1", self.port)
-
-        def close(self):
-            pass
-
-    monkeypatch.setattr(app, "_bind", lambda host, port: Fake(next(ports)))
-    assert app._free_port("127.0.0.1") == 41000
-    assert app._free_port("127.0.0.1", avoid=41000) == 41001
-    monkeypatch.setattr(app, "_bind", lambda host, port: Fake(41000))
-    with pytest.raises(app.RNNServeError, match="set --http-port and --grpc-port"):
-        app._free_port("127.0.0.1", avoid=41000)
-
-
 def test_the_ports_line_is_one_write_so_child_logs_cannot_split_it(monkeypatch):
     from service import app
     from serving_support import LINE

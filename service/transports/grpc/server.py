@@ -8,6 +8,8 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from ...errors import RNNServeError
+from ...ports import in_use_message
 from .generated import inference_pb2 as pb
 from .generated import inference_pb2_grpc as pb_grpc
 from .servicer import InferenceServicer
@@ -94,19 +96,22 @@ class GRPCServer:
 
 
 def create_grpc_server(
-    dataplane, host: str, port: int, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    dataplane, host: str, port: int, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, reuse_port: bool = False
 ) -> GRPCServer:
     """An unstarted gRPC server for ``dataplane``, bound to ``host:port``.
 
     Port 0 picks a free port; ``bound_port`` on the result is the port bound.
     ``max_message_bytes`` limits both received and sent messages (a request's raw
-    tensors and a response's outputs travel in one message each). Call it from the
-    event loop that will run the server.
+    tensors and a response's outputs travel in one message each). ``reuse_port`` lets
+    sibling front-end processes listen on the same port; without it the port is this
+    server's alone (grpc's default would let a second server join it: see
+    :mod:`service.ports`). Call it from the event loop that will run the server.
     """
     server = aio.server(
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.so_reuseport", int(reuse_port)),
         ],
     )
     servicer = map_errors(InferenceServicer(dataplane, max_message_bytes=max_message_bytes),
@@ -118,8 +123,8 @@ def create_grpc_server(
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
         bound_port = server.add_insecure_port(address)
-    except RuntimeError as exc:
-        raise RuntimeError(f"cannot listen for gRPC on {address}: {exc}") from exc
+    except RuntimeError:
+        bound_port = 0  # grpc's message only points at GRPC_VERBOSITY
     if bound_port == 0:
-        raise RuntimeError(f"cannot listen for gRPC on {address}")
+        raise RNNServeError(in_use_message(address, "grpc could not bind it") + " (--grpc-port)")
     return GRPCServer(server, bound_port, health)
