@@ -102,7 +102,7 @@ class Transports:
     @classmethod
     async def start(cls, dataplane: Any, settings: ServeSettings, reuse_port: bool = False) -> "Transports":
         """Bind and start both servers (``reuse_port``: share the ports with sibling front-end processes)."""
-        sock = bind_listener(settings.host, settings.http_port, reuse_port)
+        sock = bind_listener(settings.host, settings.http_port, reuse_port, flag="--http-port")
         http_port = sock.getsockname()[1]
         config = uvicorn.Config(create_rest_app(dataplane, settings.max_request_bytes), lifespan="off",
                                 log_level=settings.log_level, access_log=settings.log_level == "debug",

@@ -66,12 +66,12 @@ async def serve_with_frontends(settings: ServeSettings, stop_event: asyncio.Even
     front-end processes until SIGTERM/SIGINT."""
     host_name = settings.host
     # held until the front-ends are gone, so that no other server joins their ports (see service.ports)
-    claims: list[PortClaim] = [claim_port(host_name, settings.http_port)]
+    claims: list[PortClaim] = [claim_port(host_name, settings.http_port, flag="--http-port")]
     http_port = claims[0].port
     grpc_port = settings.grpc_port
     if grpc_port >= 0:
         try:
-            claims.append(claim_port(host_name, grpc_port, avoid=http_port))
+            claims.append(claim_port(host_name, grpc_port, avoid=http_port, flag="--grpc-port"))
         except BaseException:
             claims[0].close()
             raise

@@ -35,16 +35,31 @@ def _socket(host: str) -> socket.socket:
     return socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
 
 
-def in_use_message(address: str, reason: str) -> str:
-    """The error for an address that cannot be had (shared by HTTP and gRPC)."""
-    return (f"cannot listen on {address}: {reason}; another process (perhaps another rnnserve) "
-            "may listen there: stop it or choose another port")
+def _address(host: str, port: int, flag: str) -> str:
+    return f"{host}:{port}" + (f" ({flag})" if flag else "")
 
 
-def bind_listener(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+def listen_error(address: str, exc: OSError | None) -> RNNServeError:
+    """The error for an address a server cannot listen on, saying what to change (HTTP and gRPC alike)."""
+    code = exc.errno if exc is not None else None
+    if exc is None:
+        why = "grpc could not bind it (its log line above says why); choose another port"
+    elif code == errno.EADDRINUSE:
+        why = "address already in use; another process (perhaps another rnnserve) listens there: stop it or choose another port"
+    elif code == errno.EACCES:
+        why = "permission denied (ports below 1024 need privileges); choose a port above 1023"
+    elif code == errno.EADDRNOTAVAIL:
+        why = "this machine has no such address; check --host"
+    else:
+        why = f"{exc.strerror or exc}; choose another port or --host"
+    return RNNServeError(f"cannot listen on {address}: {why}")
+
+
+def bind_listener(host: str, port: int, reuse_port: bool = False, flag: str = "") -> socket.socket:
     """A bound, inheritable TCP socket on ``host:port`` (0: a free port), for a server to listen on.
 
-    ``reuse_port`` lets sibling front-end processes bind the same port (see :func:`claim_port`).
+    ``reuse_port`` lets sibling front-end processes bind the same port (see :func:`claim_port`);
+    ``flag`` names the setting of the port in errors.
     """
     sock = _socket(host)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -54,7 +69,7 @@ def bind_listener(host: str, port: int, reuse_port: bool = False) -> socket.sock
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise RNNServeError(in_use_message(f"{host}:{port}", exc.strerror or str(exc))) from exc
+        raise listen_error(_address(host, port, flag), exc) from exc
     sock.set_inheritable(True)
     return sock
 
@@ -73,7 +88,7 @@ class PortClaim:
             self._holder = None
 
 
-def claim_port(host: str, port: int, avoid: int = 0) -> PortClaim:
+def claim_port(host: str, port: int, avoid: int = 0, flag: str = "") -> PortClaim:
     """Reserve ``host:port`` (0: a free port other than ``avoid``) for sockets that set SO_REUSEPORT.
 
     First a plain bind (SO_REUSEADDR, as every server sets it, so connections of an earlier run in
@@ -83,7 +98,7 @@ def claim_port(host: str, port: int, avoid: int = 0) -> PortClaim:
     while SO_REUSEPORT sockets of this user (the front-ends) may join it.
     """
     if port:
-        with contextlib.closing(bind_listener(host, port)):
+        with contextlib.closing(bind_listener(host, port, flag=flag)):
             pass
     holder = _socket(host)
     holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -93,7 +108,7 @@ def claim_port(host: str, port: int, avoid: int = 0) -> PortClaim:
         except OSError as exc:
             holder.close()
             if exc.errno != errno.EADDRINUSE or not port:
-                raise RNNServeError(in_use_message(f"{host}:{port}", exc.strerror or str(exc))) from exc
+                raise listen_error(_address(host, port, flag), exc) from exc
             # Connections of a server without SO_REUSEPORT (a single-process rnnserve) that ended on this
             # port in the last minute are in TIME_WAIT and refuse the holder, though nothing listens: the
             # check above stands alone then.

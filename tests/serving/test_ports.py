@@ -3,6 +3,7 @@ layout (one process, front-end processes), instead of silently sharing them thro
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from service import ports
 from service.errors import RNNServeError
 from serving_support import ROOT, build_repository, start_server, stop_server
 
-IN_USE = "another process \\(perhaps another rnnserve\\) may listen there"
+IN_USE = "address already in use; another process \\(perhaps another rnnserve\\) listens there"
 
 
 def _front_end_socket(port: int) -> socket.socket:
@@ -55,7 +56,7 @@ def test_a_port_another_program_listens_on_cannot_be_claimed():
     other.bind(("127.0.0.1", 0))
     other.listen()
     try:
-        with pytest.raises(RNNServeError, match=f"127.0.0.1:{other.getsockname()[1]}: .*choose another port"):
+        with pytest.raises(RNNServeError, match=f"127.0.0.1:{other.getsockname()[1]}: {IN_USE}.*choose another port"):
             ports.claim_port("127.0.0.1", other.getsockname()[1])
     finally:
         other.close()
@@ -100,12 +101,21 @@ def test_a_grpc_server_does_not_join_a_port_another_grpc_server_listens_on():
         port = other.add_insecure_port("127.0.0.1:0")
         await other.start()
         try:
-            with pytest.raises(RNNServeError, match=f"127.0.0.1:{port}: grpc could not bind it; .*--grpc-port"):
+            with pytest.raises(RNNServeError, match=f"127.0.0.1:{port} \\(--grpc-port\\): {IN_USE}"):
                 create_grpc_server(None, "127.0.0.1", port)
         finally:
             await other.stop(None)
 
     asyncio.run(main())
+
+
+def test_each_reason_a_port_cannot_be_had_says_what_to_change():
+    with pytest.raises(RNNServeError, match="192.0.2.1:0 \\(--http-port\\): this machine has no such address; check --host"):
+        ports.bind_listener("192.0.2.1", 0, flag="--http-port")  # TEST-NET-1: never a local address
+    denied = ports.listen_error("0.0.0.0:80", PermissionError(errno.EACCES, "Permission denied"))
+    assert str(denied) == ("cannot listen on 0.0.0.0:80: permission denied (ports below 1024 need privileges); "
+                           "choose a port above 1023")
+    assert "its log line above says why" in str(ports.listen_error("0.0.0.0:8001 (--grpc-port)", None))
 
 
 @pytest.mark.slow
@@ -117,12 +127,13 @@ def test_a_second_server_on_the_same_ports_fails_and_the_first_keeps_them(tmp_pa
     proc, http_url, grpc_url = start_server(repo, *first)
     try:
         http_port, grpc_port = http_url.rsplit(":", 1)[1], grpc_url.rsplit(":", 1)[1]
-        for ports_asked, taken in (((http_port, "0"), http_port), (("0", grpc_port), grpc_port)):
+        for ports_asked, taken, flag in (((http_port, "0"), http_port, "--http-port"),
+                                         (("0", grpc_port), grpc_port, "--grpc-port")):
             out = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--repository", str(repo),
                                   "--host", "127.0.0.1", "--http-port", ports_asked[0], "--grpc-port", ports_asked[1],
                                   "--device", "cpu", *second], cwd=ROOT, capture_output=True, text=True, timeout=60)
             assert out.returncode != 0, out.stdout + out.stderr
-            assert f"cannot listen on 127.0.0.1:{taken}:" in out.stderr + out.stdout
+            assert f"cannot listen on 127.0.0.1:{taken} ({flag}): address already in use" in out.stderr + out.stdout
             assert "rnnserve: HTTP on" not in out.stdout
         with urllib.request.urlopen(f"{http_url}/v2/health/ready", timeout=5) as answer:
             assert answer.status == 200

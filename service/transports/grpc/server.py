@@ -8,8 +8,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from ...errors import RNNServeError
-from ...ports import in_use_message
+from ...ports import bind_listener, listen_error
 from .generated import inference_pb2 as pb
 from .generated import inference_pb2_grpc as pb_grpc
 from .servicer import InferenceServicer
@@ -121,10 +120,13 @@ def create_grpc_server(
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
 
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    if port and not reuse_port:
+        # grpc's own failure names no cause (it logs one); a plain bind first says why, in our words
+        bind_listener(host, port, flag="--grpc-port").close()
     try:
         bound_port = server.add_insecure_port(address)
     except RuntimeError:
-        bound_port = 0  # grpc's message only points at GRPC_VERBOSITY
+        bound_port = 0
     if bound_port == 0:
-        raise RNNServeError(in_use_message(address, "grpc could not bind it") + " (--grpc-port)")
+        raise listen_error(f"{address} (--grpc-port)", None)
     return GRPCServer(server, bound_port, health)
