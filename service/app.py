@@ -104,6 +104,13 @@ class Transports:
         """Bind and start both servers (``reuse_port``: share the ports with sibling front-end processes)."""
         sock = bind_listener(settings.host, settings.http_port, reuse_port, flag="--http-port")
         http_port = sock.getsockname()[1]
+        if settings.grpc_port > 0 and not reuse_port:
+            # a taken gRPC port fails the start before HTTP serves anything (the gRPC server checks it again)
+            try:
+                bind_listener(settings.host, settings.grpc_port, flag="--grpc-port").close()
+            except RNNServeError:
+                sock.close()
+                raise
         config = uvicorn.Config(create_rest_app(dataplane, settings.max_request_bytes), lifespan="off",
                                 log_level=settings.log_level, access_log=settings.log_level == "debug",
                                 timeout_graceful_shutdown=settings.drain_timeout_s)

@@ -135,6 +135,7 @@ def test_a_second_server_on_the_same_ports_fails_and_the_first_keeps_them(tmp_pa
             assert out.returncode != 0, out.stdout + out.stderr
             assert f"cannot listen on 127.0.0.1:{taken} ({flag}): address already in use" in out.stderr + out.stdout
             assert "rnnserve: HTTP on" not in out.stdout
+            assert "server process" not in out.stdout + out.stderr  # uvicorn never started (nor stopped)
         with urllib.request.urlopen(f"{http_url}/v2/health/ready", timeout=5) as answer:
             assert answer.status == 200
     finally:
