@@ -45,7 +45,8 @@ def listen_error(address: str, exc: OSError | None) -> RNNServeError:
     if exc is None:
         why = "grpc could not bind it (its log line above says why); choose another port"
     elif code == errno.EADDRINUSE:
-        why = "address already in use; another process (perhaps another rnnserve) listens there: stop it or choose another port"
+        why = ("address already in use; another process (perhaps another rnnserve) listens there: "
+               "stop it or choose another port")
     elif code == errno.EACCES:
         why = "permission denied (ports below 1024 need privileges); choose a port above 1023"
     elif code == errno.EADDRNOTAVAIL:

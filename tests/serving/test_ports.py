@@ -85,7 +85,11 @@ def test_a_picked_grpc_port_is_never_the_http_port(monkeypatch):
     monkeypatch.setattr(ports, "_socket", Fake)
     assert ports.claim_port("127.0.0.1", 0).port == 41000
     assert ports.claim_port("127.0.0.1", 0, avoid=41000).port == 41001
-    monkeypatch.setattr(ports, "_socket", lambda host: type("Same", (Fake,), {"bind": lambda s, a: setattr(s, "port", 41000)})())
+    class Same(Fake):
+        def bind(self, address):
+            self.port = 41000  # every port the system hands out is the HTTP one
+
+    monkeypatch.setattr(ports, "_socket", Same)
     with pytest.raises(RNNServeError, match="set --http-port and --grpc-port"):
         ports.claim_port("127.0.0.1", 0, avoid=41000)
 
@@ -110,7 +114,8 @@ def test_a_grpc_server_does_not_join_a_port_another_grpc_server_listens_on():
 
 
 def test_each_reason_a_port_cannot_be_had_says_what_to_change():
-    with pytest.raises(RNNServeError, match="192.0.2.1:0 \\(--http-port\\): this machine has no such address; check --host"):
+    no_such = "192.0.2.1:0 \\(--http-port\\): this machine has no such address; check --host"
+    with pytest.raises(RNNServeError, match=no_such):
         ports.bind_listener("192.0.2.1", 0, flag="--http-port")  # TEST-NET-1: never a local address
     denied = ports.listen_error("0.0.0.0:80", PermissionError(errno.EACCES, "Permission denied"))
     assert str(denied) == ("cannot listen on 0.0.0.0:80: permission denied (ports below 1024 need privileges); "
