@@ -76,8 +76,8 @@ def announce(line: str) -> None:
     sys.stdout.flush()
 
 
-async def _start_grpc(dataplane: DataPlane, settings: ServeSettings, reuse_port: bool) -> tuple[Any, str]:
-    """Start the gRPC server; return (server or None, the 'gRPC on ...' / 'gRPC off (...)' phrase)."""
+def _create_grpc(dataplane: DataPlane, settings: ServeSettings, reuse_port: bool) -> tuple[Any, str]:
+    """The gRPC server, bound and not started (None when off); and its 'gRPC on ...' / 'gRPC off (...)' phrase."""
     if settings.grpc_port < 0:
         return None, "gRPC off (--grpc-port -1)"
     try:
@@ -87,7 +87,6 @@ async def _start_grpc(dataplane: DataPlane, settings: ServeSettings, reuse_port:
         return None, f"gRPC off (transport not available: {exc})"
     server = create_grpc_server(dataplane, settings.host, settings.grpc_port,
                                 max_message_bytes=settings.max_request_bytes, reuse_port=reuse_port)
-    await server.start()
     return server, f"gRPC on {settings.host}:{server.bound_port}"
 
 
@@ -104,13 +103,15 @@ class Transports:
         """Bind and start both servers (``reuse_port``: share the ports with sibling front-end processes)."""
         sock = bind_listener(settings.host, settings.http_port, reuse_port, flag="--http-port")
         http_port = sock.getsockname()[1]
-        if settings.grpc_port > 0 and not reuse_port:
-            # a taken gRPC port fails the start before HTTP serves anything (the gRPC server checks it again)
-            try:
-                bind_listener(settings.host, settings.grpc_port, flag="--grpc-port").close()
-            except RNNServeError:
-                sock.close()
-                raise
+        try:
+            # bound before HTTP serves anything, so that a taken gRPC port fails the start at once
+            grpc_server, grpc_phrase = _create_grpc(dataplane, settings, reuse_port)
+        except RNNServeError:
+            sock.close()
+            raise
+        except Exception as exc:
+            sock.close()
+            raise RNNServeError(f"the gRPC server could not start: {exc}") from exc
         config = uvicorn.Config(create_rest_app(dataplane, settings.max_request_bytes), lifespan="off",
                                 log_level=settings.log_level, access_log=settings.log_level == "debug",
                                 timeout_graceful_shutdown=settings.drain_timeout_s)
@@ -119,15 +120,16 @@ class Transports:
         while not http.started and not http_task.done():
             await asyncio.sleep(0.01)
         if http_task.done():
+            if grpc_server is not None:
+                await grpc_server.stop(None)
             http_task.result()
             raise RNNServeError("the HTTP server stopped during startup")
         try:
-            grpc_server, grpc_phrase = await _start_grpc(dataplane, settings, reuse_port)
+            if grpc_server is not None:
+                await grpc_server.start()
         except Exception as exc:
             http.should_exit = True
             await http_task
-            if isinstance(exc, RNNServeError):
-                raise
             raise RNNServeError(f"the gRPC server could not start: {exc}") from exc
         return cls(http, http_task, http_port, grpc_server, grpc_phrase)
 

@@ -18,7 +18,6 @@ could get another server's answer. Here:
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import socket
@@ -99,8 +98,7 @@ def claim_port(host: str, port: int, avoid: int = 0, flag: str = "") -> PortClai
     while SO_REUSEPORT sockets of this user (the front-ends) may join it.
     """
     if port:
-        with contextlib.closing(bind_listener(host, port, flag=flag)):
-            pass
+        bind_listener(host, port, flag=flag).close()
     holder = _socket(host)
     holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     for _ in range(100):
