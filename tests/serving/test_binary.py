@@ -98,6 +98,8 @@ async def test_compressed_bodies_are_held_to_the_size_limit(repo):
     ([{"name": "input", "datatype": "FP32", "shape": [1, 2, 4], "parameters": {"binary_data_size": 32}}],
      b"\0" * 40, None, "8 bytes of binary data that no input claims"),
     ([{"name": "input", "datatype": "FP32", "shape": [1, 2, 4]}], b"", None, "has neither 'data' nor a binary_data_size"),
+    ([{"name": "input", "datatype": "FP32", "shape": [1, 2, 4], "data": [0.5] * 8, "parameters": {"binary_data_size": 32}}],
+     b"\0" * 32, None, "has both 'data' and a binary_data_size parameter"),
     ([{"name": "input", "datatype": "FP32", "shape": [1, 2, 4], "parameters": {"binary_data_size": 32}}],
      b"\0" * 32, "abc", f"header {HEADER} must be an integer"),
     ([{"name": "input", "datatype": "FP32", "shape": [1, 2, 4], "parameters": {"binary_data_size": 32}}],

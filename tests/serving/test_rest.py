@@ -210,6 +210,15 @@ async def test_bad_requests(repo, model, body, status, message):
         assert ok.status_code == 200
 
 
+async def test_integer_literal_past_pythons_digit_limit(repo):
+    huge = b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 1, 1], "data": [1' + b"0" * 4400 + b']}]}'
+    async with rest_client(repo) as (client, _):
+        r = await client.post("/v2/models/lstm/infer", content=huge)
+        assert r.status_code == 400 and "more than 4,300 digits" in r.json()["error"], r.text
+        assert "set_int_max_str_digits" not in r.json()["error"]
+        assert (await client.get("/v2/health/live")).status_code == 200
+
+
 async def test_malformed_bodies(repo):
     async with rest_client(repo, max_request_bytes=4096) as (client, _):
         r = await client.post("/v2/models/lstm/infer", content=b"{not json")

@@ -34,6 +34,10 @@ def parse_json(body: bytes | str) -> Any:
     try:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
+        if "integer string conversion" in str(exc):
+            # Python's own message names sys.set_int_max_str_digits, a remedy for the server, not the client
+            raise InvalidInput("request body holds an integer literal of more than 4,300 digits; send numbers of "
+                               "ordinary size (tensor values within their datatype's range)") from None
         raise InvalidInput(f"request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise InvalidInput("request body is not valid JSON for this server: it nests arrays or objects "
@@ -111,6 +115,10 @@ def _decode_input(item: Any, binary: memoryview, offset: int) -> tuple[InferTens
     refuse_extensions(params, f"input '{name}'")
     size = params.get("binary_data_size")
     if size is not None:
+        if "data" in item:
+            # one of the two would be dropped without a word, and the caller cannot know which one ran
+            raise InvalidInput(f"input '{name}' has both 'data' and a binary_data_size parameter; send its values "
+                               f"one way: JSON 'data', or binary_data_size with the bytes after the JSON header")
         need = count * dtype.itemsize
         if not isinstance(size, int) or size != need:
             raise InvalidInput(f"input '{name}' has binary_data_size {size!r} but shape {shape} of {datatype} "
