@@ -79,6 +79,10 @@ def test_tritonclient_http_repository_control(server_process):
         assert client.is_model_ready("gru_bi")
         with pytest.raises(InferenceServerException, match="no model 'ghost'"):
             client.load_model("ghost")
+        # tritonclient's config override is refused by name, and the model keeps serving as configured
+        with pytest.raises(InferenceServerException, match=r"load parameters are not supported \(got config\)"):
+            client.load_model("gru_bi", config='{"max_batch_size": 8}')
+        assert client.is_model_ready("gru_bi")
 
 
 def test_sigterm_drains_in_flight_requests(tmp_path):

@@ -324,6 +324,16 @@ async def test_repository_index_load_unload(repo):
         assert r.status_code == 400 and "is not a model name" in r.json()["error"]
         r = await client.post("/v2/repository/index", content=b"[1]")
         assert r.status_code == 400
+        # Triton's load overrides are refused by name, never ignored (the caller would get another configuration)
+        r = await client.post("/v2/repository/models/lstm/load", json={"parameters": {"config": '{"max_batch_size": 8}'}})
+        assert r.status_code == 400 and "load parameters are not supported (got config)" in r.json()["error"]
+        r = await client.post("/v2/repository/models/lstm/load", json={"parameters": "config"})
+        assert r.status_code == 400 and "'parameters' must be a JSON object" in r.json()["error"]
+        r = await client.post("/v2/repository/models/lstm/unload", json={"parameters": {"force": True}})
+        assert r.status_code == 400 and "unload parameters are not supported (got force)" in r.json()["error"]
+        assert (await client.get("/v2/models/lstm/ready")).status_code == 200
+        r = await client.post("/v2/repository/models/lstm/unload", json={"parameters": {"unload_dependents": False}})
+        assert r.status_code == 200
 
 
 async def test_broken_models_do_not_stop_others(repo):

@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator
 
 from google.protobuf import json_format
 
+from ...dataplane.repository_parameters import check_load_parameters, check_unload_parameters
 from ...dataplane.types import AnswerLimit
 from ...errors import InvalidInput, TooLarge
 from .codec import decode_parameters, decode_request, encode_response
@@ -189,22 +190,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         )
 
     async def RepositoryModelLoad(self, request, context):
-        params = decode_parameters(request.parameters)
-        if params:
-            raise InvalidInput(
-                f"model '{request.model_name}' is loaded from the server's repository; "
-                f"load parameters are not supported (got {', '.join(sorted(params))})"
-            )
+        check_load_parameters(request.model_name, decode_parameters(request.parameters))
         await self._dataplane.load_model(request.model_name)
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request, context):
-        # tritonclient always sends unload_dependents; rnnserve models have no dependents.
-        params = decode_parameters(request.parameters)
-        params.pop("unload_dependents", None)
-        if params:
-            raise InvalidInput(
-                f"unload parameters are not supported (got {', '.join(sorted(params))})"
-            )
+        check_unload_parameters(decode_parameters(request.parameters))
         await self._dataplane.unload_model(request.model_name)
         return pb.RepositoryModelUnloadResponse()

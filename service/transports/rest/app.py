@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import __version__
 from ...dataplane import DataPlane
+from ...dataplane.repository_parameters import check_load_parameters, check_unload_parameters
 from ...errors import InvalidInput, RNNServeError
 from ...metrics import CONTENT_TYPE_LATEST
 from .codec import HEADER, parse_json
@@ -149,13 +150,13 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
 
     @app.post("/v2/repository/models/{model}/load", tags=["repository"], summary="Load or reload a model")
     async def load(model: str, request: Request) -> dict:
-        await _json_or_empty(request)
+        check_load_parameters(model, _parameters(await _json_or_empty(request)))
         await dataplane.load_model(model)
         return {}
 
     @app.post("/v2/repository/models/{model}/unload", tags=["repository"], summary="Unload a model")
     async def unload(model: str, request: Request) -> dict:
-        await _json_or_empty(request)
+        check_unload_parameters(_parameters(await _json_or_empty(request)))
         await dataplane.unload_model(model)
         return {}
 
@@ -174,3 +175,10 @@ async def _json_or_empty(request: Request) -> dict:
     if not isinstance(doc, dict):
         raise InvalidInput("request body must be a JSON object")
     return doc
+
+
+def _parameters(doc: dict) -> dict:
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise InvalidInput("'parameters' must be a JSON object")
+    return params
