@@ -13,7 +13,7 @@ from google.protobuf import json_format
 
 from ...dataplane.repository_parameters import check_load_parameters, check_unload_parameters
 from ...dataplane.types import AnswerLimit
-from ...errors import InvalidInput, TooLarge
+from ...errors import TooLarge
 from .codec import decode_parameters, decode_request, encode_response
 from .generated import inference_pb2 as pb
 from .generated import inference_pb2_grpc as pb_grpc

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import sys
 from typing import Any
 
 import numpy as np
@@ -36,8 +37,9 @@ def parse_json(body: bytes | str) -> Any:
     except (ValueError, UnicodeDecodeError) as exc:
         if "integer string conversion" in str(exc):
             # Python's own message names sys.set_int_max_str_digits, a remedy for the server, not the client
-            raise InvalidInput("request body holds an integer literal of more than 4,300 digits; send numbers of "
-                               "ordinary size (tensor values within their datatype's range)") from None
+            raise InvalidInput(f"request body holds an integer literal of more than {sys.get_int_max_str_digits():,} "
+                               f"digits; send numbers of ordinary size (tensor values within their datatype's "
+                               f"range)") from None
         raise InvalidInput(f"request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise InvalidInput("request body is not valid JSON for this server: it nests arrays or objects "
