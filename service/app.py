@@ -96,6 +96,7 @@ class Transports:
     def __init__(self, http: _UvicornServer, http_task: asyncio.Task, http_port: int, grpc_server: Any,
                  grpc_phrase: str) -> None:
         self.http, self.http_task, self.http_port = http, http_task, http_port
+        self.rest_app = http.config.app
         self.grpc_server, self.grpc_phrase = grpc_server, grpc_phrase
 
     @classmethod
@@ -140,6 +141,7 @@ class Transports:
         if self.grpc_server is not None:
             waits.append(asyncio.create_task(self.grpc_server.stop(settings.drain_timeout_s)))
         await asyncio.gather(*waits, return_exceptions=True)
+        self.rest_app.close()
 
     def failed(self) -> BaseException | None:
         """The HTTP server's error if it stopped by itself."""

@@ -246,3 +246,44 @@ def test_the_ports_line_is_one_write_so_child_logs_cannot_split_it(monkeypatch):
     # and a line that was split anyway (an older server) is not read as a port
     assert LINE.search("rnnserve: HTTP on 127.0.0.1:8000, gRPC on 127.0.0.1:80012026-11-23 20:27:40 INFO x") is None
     assert LINE.search("rnnserve: HTTP on 127.0.0.1:8000, gRPC on 127.0.0.1:8001; 2 front-end").group(4) == "8001"
+
+
+def _descendants(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                if ppid == parent and int(entry) not in found:
+                    found.add(int(entry))
+                    todo.append(int(entry))
+    return found
+
+
+@pytest.mark.parametrize("frontends", ["1", "2"])
+def test_sigterm_after_large_json_stops_at_once_and_leaves_no_process(tmp_path, frontends):
+    """A large JSON body starts the REST transport's JSON helper process; SIGTERM still stops the server at
+    once, helpers included (a front-end waits for its children at exit: a helper left waiting for work held
+    it until the drain timeout)."""
+    repo = build_repository(tmp_path / "models")
+    proc, http_url, _ = start_server(repo, "--frontends", frontends, "--drain-timeout-s", "25")
+    x = np.random.default_rng(4).standard_normal((1, 9000, 4)).astype(np.float32)
+    inp = th.InferInput("input", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=False)
+    with th.InferenceServerClient(http_url.split("://")[1], network_timeout=60) as client:
+        want = create_engine(load_model(repo / "lstm"), "cpu").forward(x).output[0, -1]
+        for _ in range(2 * int(frontends)):  # a front-end each, most likely
+            got = client.infer("lstm", [inp], outputs=[th.InferRequestedOutput("output_last", binary_data=False)])
+            np.testing.assert_allclose(got.as_numpy("output_last")[0], want, rtol=1e-5, atol=1e-6)
+    children = _descendants(proc.pid)
+    start = time.monotonic()
+    assert stop_server(proc, timeout=30) == 0
+    assert time.monotonic() - start < 15
+    time.sleep(0.5)
+    assert not [pid for pid in children if os.path.exists(f"/proc/{pid}") and
+                "zombie" not in open(f"/proc/{pid}/status").read().lower()], "processes left after the server stopped"

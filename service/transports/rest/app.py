@@ -22,6 +22,7 @@ from .codec import HEADER, parse_json
 from .infer import InferFastPath, infer_response
 from .responses import error_response, read_body
 from .decode_gate import DecodeGate
+from .json_process import JsonProcess
 from .predict import PredictRequest, PredictResponse, parse_predict, to_infer_request, to_predictions
 
 
@@ -51,8 +52,10 @@ _INFER_BODY = {
 def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1024) -> InferFastPath:
     """The ASGI app serving ``dataplane`` (no global state; one app per server): infer requests go straight
     to their handler, everything else to the FastAPI app (``.app``)."""
-    # two bodies at the limit decode at once (~25 MB of memory a MB of JSON while it is decoded)
-    gate = DecodeGate(2 * max_request_bytes)
+    # two bodies at the limit decode at once (~25 MB of memory a MB of JSON while it is decoded), in a process
+    # of their own (the JSON decoder holds the GIL throughout)
+    helper = JsonProcess()
+    gate = DecodeGate(2 * max_request_bytes, offload=helper.run)
     app = FastAPI(
         title="rnnserve",
         version=__version__,
@@ -164,7 +167,7 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
     async def metrics() -> Response:
         return Response(await dataplane.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
-    return InferFastPath(app, dataplane, max_request_bytes, gate)
+    return InferFastPath(app, dataplane, max_request_bytes, gate, close=helper.close)
 
 
 async def _json_or_empty(request: Request) -> dict:

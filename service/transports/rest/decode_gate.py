@@ -20,16 +20,22 @@ from starlette.concurrency import run_in_threadpool
 
 T = TypeVar("T")
 
-# Bodies past this size are decoded in a worker thread, so that one large JSON request does not hold
-# the event loop (and every other request) for its whole parse; smaller ones are decoded in place.
+# Bodies past this size are decoded off the event loop (by ``offload``: the REST app's JsonProcess), so that
+# one large JSON request does not hold it (and every other request) for its whole parse; smaller ones are
+# decoded in place.
 OFFLOAD_BYTES = 256 * 1024
 
 
 class DecodeGate:
-    """Admits JSON decoding by bytes, first come first served, up to ``capacity`` bytes at once."""
+    """Admits JSON decoding by bytes, first come first served, up to ``capacity`` bytes at once.
 
-    def __init__(self, capacity: int) -> None:
+    ``offload(fn, *args)`` runs a large body's decoding (default: a worker thread, which bounds memory but
+    not the GIL: see :mod:`.json_process`).
+    """
+
+    def __init__(self, capacity: int, offload: Callable[..., Any] = run_in_threadpool) -> None:
         self.capacity = capacity
+        self._offload = offload
         self._used = 0
         self._waiting: deque[tuple[int, asyncio.Future]] = deque()
 
@@ -57,12 +63,16 @@ class DecodeGate:
             self._release(size)
 
     async def decode(self, fn: Callable[..., T], *args: Any, size: int, json_bytes: int | None = None) -> T:
-        """``fn(*args)``: on the event loop for a small body (``size`` bytes), else in a worker thread once the
+        """``fn(*args)``: on the event loop for a small body (``size`` bytes), else through ``offload`` once the
         gate admits its ``json_bytes`` (default: all of it)."""
         if size <= OFFLOAD_BYTES:
             return fn(*args)
         async with self.hold(size if json_bytes is None else json_bytes):
-            return await run_in_threadpool(fn, *args)
+            return await self._offload(fn, *args)
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` off the event loop, outside the gate (a large JSON answer being encoded)."""
+        return await self._offload(fn, *args)
 
     @property
     def in_use(self) -> int:

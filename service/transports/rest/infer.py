@@ -15,9 +15,8 @@ the stack, ~37 µs outside). The FastAPI route stays declared (it documents the 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -27,8 +26,8 @@ from .codec import HEADER, answer_limit, decode_request, encode_response
 from .decode_gate import DecodeGate
 from .responses import decompress, error_response, read_body
 
-# Outputs past this many values are encoded in a worker thread, so that one large JSON answer does not
-# hold the event loop (and every other request) for its whole encoding (bodies: see .decode_gate).
+# Outputs past this many values are encoded off the event loop (the gate's offload, the JSON helper process), so
+# that one large JSON answer does not hold it (and every other request) for its whole encoding (.json_process).
 _OFFLOAD_VALUES = 64 * 1024
 
 INFER_PATH = re.compile(r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?/infer")
@@ -47,7 +46,7 @@ async def infer_response(dataplane: DataPlane, request: Request, model: str, ver
     req.answer_limit = answer_limit(req, max_request_bytes)
     resp = await dataplane.infer(req)
     if sum(t.data.size for t in resp.outputs) > _OFFLOAD_VALUES:
-        content, headers = await run_in_threadpool(encode_response, resp, req.parameters)
+        content, headers = await gate.offload(encode_response, resp, req.parameters)
     else:
         content, headers = encode_response(resp, req.parameters)
     return Response(content, headers=headers)
@@ -56,11 +55,21 @@ async def infer_response(dataplane: DataPlane, request: Request, model: str, ver
 class InferFastPath:
     """ASGI app: infer requests go straight to :func:`infer_response`; everything else to ``app`` (FastAPI)."""
 
-    def __init__(self, app: Any, dataplane: DataPlane, max_request_bytes: int, gate: DecodeGate) -> None:
+    def __init__(self, app: Any, dataplane: DataPlane, max_request_bytes: int, gate: DecodeGate,
+                 close: Callable[[], None] = lambda: None) -> None:
         self.app = app
         self.dataplane = dataplane
         self.max_request_bytes = max_request_bytes
         self.gate = gate
+        self._close = close
+
+    def close(self) -> None:
+        """Stop what the app started besides serving (its JSON helper process); call once the server stopped.
+
+        A front-end process waits for its child processes when it exits, so a helper left waiting for work
+        would hold the front-end (and the server's SIGTERM) until the drain timeout.
+        """
+        self._close()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         match = None

@@ -1,0 +1,68 @@
+"""JsonProcess: large JSON bodies are decoded, and large JSON answers encoded, in a helper process.
+
+CPython's JSON decoder and encoder are C loops that keep the GIL for their whole run, as
+does NumPy turning a list of Python floats into an array: on a worker thread they still
+stopped every other request of the process (its event loop logged itself blocked for
+240-280 ms while one 6.4 MB JSON body of 1.28 million numbers was decoded, development
+machine; about 40 ms a MB). A process of its own decodes them while the event loop goes
+on serving; the decoded arrays come back pickled (a copy, about a millisecond for 5 MB).
+The process starts on the first large body (well under a second) and serves the REST
+transport of this server process from then on; one at a time, since the DecodeGate
+already bounds how much JSON is decoded at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import pickle
+import weakref
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Callable, TypeVar
+
+from ...errors import Unavailable
+
+T = TypeVar("T")
+log = logging.getLogger("rnnserve.transports.rest")
+
+
+class JsonProcess:
+    """Runs picklable functions of picklable arguments in one helper process, started on first use."""
+
+    def __init__(self) -> None:
+        self._pool: ProcessPoolExecutor | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the helper process; its exceptions (rnnserve's errors too) come back as raised."""
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+        # a body viewed in place pickles only as bytes
+        args = tuple(bytes(a) if isinstance(a, memoryview) else a for a in args)
+        try:
+            answer = await asyncio.wrap_future(self._pool.submit(_call, pickle.dumps((fn, args), protocol=5)))
+        except BrokenProcessPool:
+            # it died (out of memory, killed): the next large body starts a new one
+            log.warning("the JSON helper process stopped; a new one starts with the next large JSON body")
+            self.close()
+            raise Unavailable("the server's JSON decoding process stopped while it handled this body (out of "
+                              "memory?); send it again, in smaller requests, or as binary tensor data") from None
+        return pickle.loads(answer)
+
+    def close(self) -> None:
+        """Stop the helper process, if any (a later call starts a new one)."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self._pool = self._finalizer = None
+
+
+def _call(job: bytes) -> bytes:
+    """The helper process's side: ``fn(*args)`` from a pickled job, its answer pickled.
+
+    Both ways travel as protocol 5 pickles made here, because rnnserve's tensors pickle their buffers
+    out of band (:mod:`service.wire`), which multiprocessing's own pickling (protocol 4) refuses.
+    """
+    fn, args = pickle.loads(job)
+    return pickle.dumps(fn(*args), protocol=5)
