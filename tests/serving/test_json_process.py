@@ -16,13 +16,11 @@ from service.transports.rest.codec import decode_request
 from service.transports.rest.json_process import JsonProcess
 from serving_support import rest_client
 
-pytestmark = pytest.mark.asyncio
-
-
 def _fail(message: str) -> None:
     raise InvalidInput(message)
 
 
+@pytest.mark.asyncio
 async def test_runs_in_another_process_and_brings_back_tensors_and_errors():
     worker = JsonProcess()
     try:
@@ -40,6 +38,7 @@ async def test_runs_in_another_process_and_brings_back_tensors_and_errors():
         worker.close()
 
 
+@pytest.mark.asyncio
 async def test_a_helper_that_died_gives_unavailable_and_the_next_call_starts_another():
     worker = JsonProcess()
     try:
@@ -58,6 +57,7 @@ def _decode_seconds(body: bytes) -> float:
     return time.perf_counter() - start
 
 
+@pytest.mark.asyncio
 async def test_the_event_loop_keeps_serving_while_a_large_json_body_decodes(repo):
     """The loop's longest pause during a large JSON request stays well under the time the decode alone takes
     on a thread (which it was before: a thread's decode held the GIL, and so the loop, throughout)."""
@@ -89,3 +89,26 @@ async def test_the_event_loop_keeps_serving_while_a_large_json_body_decodes(repo
     assert r.status_code == 200, r.text
     assert held[0] > 0.2, held  # a decode long enough to tell the two apart
     assert max(gaps) < held[0] / 2, (max(gaps), held[0])
+
+
+def test_where_no_helper_can_start_it_decodes_on_a_thread():
+    """A program read from standard input has no ``__main__`` file that a spawned process could import."""
+    import subprocess
+    import sys
+
+    from serving_support import ROOT
+
+    code = (
+        "import asyncio, json, os, sys\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from service.transports.rest.codec import decode_request\n"
+        "from service.transports.rest.json_process import JsonProcess\n"
+        "body = json.dumps({'inputs': [{'name': 'input', 'datatype': 'FP32', 'shape': [1, 2, 1], 'data': [1, 2]}]})\n"
+        "worker = JsonProcess()\n"
+        "req = asyncio.run(worker.run(decode_request, body.encode(), None, 'm', ''))\n"
+        "print(req.inputs[0].data.ravel().tolist(), asyncio.run(worker.run(os.getpid)) == os.getpid())\n"
+    )
+    done = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[1.0,", "2.0]", "True"], done.stdout
+    assert "could not start in this process" in done.stderr

@@ -33,12 +33,26 @@ class JsonProcess:
     def __init__(self) -> None:
         self._pool: ProcessPoolExecutor | None = None
         self._finalizer: weakref.finalize | None = None
+        self._on_thread = False  # no helper can start in this process: decode on a thread, as before
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` in the helper process; its exceptions (rnnserve's errors too) come back as raised."""
-        if self._pool is None:
+        """``fn(*args)`` in the helper process; its exceptions (rnnserve's errors too) come back as raised.
+
+        Where no helper can start (a spawned process re-imports the program's ``__main__``, which a program
+        read from standard input, for one, does not have), it runs on a thread instead, with a warning.
+        """
+        if self._pool is None and not self._on_thread:
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
             self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+            try:
+                await asyncio.wrap_future(self._pool.submit(int))  # started and answering
+            except BrokenProcessPool:
+                self.close()
+                self._on_thread = True
+                log.warning("the JSON helper process could not start in this process; large JSON bodies are "
+                            "decoded on a thread, which holds the event loop while each one decodes")
+        if self._on_thread:
+            return await asyncio.to_thread(fn, *args)
         # a body viewed in place pickles only as bytes
         args = tuple(bytes(a) if isinstance(a, memoryview) else a for a in args)
         try:
