@@ -105,7 +105,9 @@ def test_where_no_helper_can_start_it_decodes_on_a_thread():
         "from service.transports.rest.json_process import JsonProcess\n"
         "body = json.dumps({'inputs': [{'name': 'input', 'datatype': 'FP32', 'shape': [1, 2, 1], 'data': [1, 2]}]})\n"
         "worker = JsonProcess()\n"
-        "req = asyncio.run(worker.run(decode_request, body.encode(), None, 'm', ''))\n"
+        "async def two():  # both sent before the first finds that no helper starts\n"
+        "    return await asyncio.gather(*(worker.run(decode_request, body.encode(), None, 'm', '') for _ in 'ab'))\n"
+        "req = asyncio.run(two())[1]\n"
         "print(req.inputs[0].data.ravel().tolist(), asyncio.run(worker.run(os.getpid)) == os.getpid())\n"
     )
     done = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=120)

@@ -58,6 +58,8 @@ class JsonProcess:
         try:
             answer = await asyncio.wrap_future(self._pool.submit(_call, pickle.dumps((fn, args), protocol=5)))
         except BrokenProcessPool:
+            if self._on_thread:  # sent while the first body found that no helper can start here
+                return await asyncio.to_thread(fn, *args)
             # it died (out of memory, killed): the next large body starts a new one
             log.warning("the JSON helper process stopped; a new one starts with the next large JSON body")
             self.close()
