@@ -141,7 +141,7 @@ class Transports:
         if self.grpc_server is not None:
             waits.append(asyncio.create_task(self.grpc_server.stop(settings.drain_timeout_s)))
         await asyncio.gather(*waits, return_exceptions=True)
-        self.rest_app.close()
+        await asyncio.to_thread(self.rest_app.close)
 
     def failed(self) -> BaseException | None:
         """The HTTP server's error if it stopped by itself."""

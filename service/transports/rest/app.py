@@ -167,7 +167,7 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
     async def metrics() -> Response:
         return Response(await dataplane.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
-    return InferFastPath(app, dataplane, max_request_bytes, gate, close=helper.close)
+    return InferFastPath(app, dataplane, max_request_bytes, gate, close=lambda: helper.close(wait=True))
 
 
 async def _json_or_empty(request: Request) -> dict:

@@ -64,7 +64,8 @@ class InferFastPath:
         self._close = close
 
     def close(self) -> None:
-        """Stop what the app started besides serving (its JSON helper process); call once the server stopped.
+        """Stop what the app started besides serving (its JSON helper process) and wait until it has; call
+        once the server stopped, off the event loop.
 
         A front-end process waits for its child processes when it exits, so a helper left waiting for work
         would hold the front-end (and the server's SIGTERM) until the drain timeout.

@@ -67,11 +67,19 @@ class JsonProcess:
                               "memory?); send it again, in smaller requests, or as binary tensor data") from None
         return pickle.loads(answer)
 
-    def close(self) -> None:
-        """Stop the helper process, if any (a later call starts a new one)."""
-        if self._finalizer is not None:
-            self._finalizer()
+    def close(self, wait: bool = False) -> None:
+        """Stop the helper process, if any (a later call starts a new one); ``wait``: until it has exited.
+
+        A server stopping waits: a process exiting joins its children, and its exit also closes the queue
+        that would carry the helper its stop signal, so a helper told to stop without waiting could be left
+        waiting for work, and its parent with it.
+        """
+        pool, finalizer = self._pool, self._finalizer
         self._pool = self._finalizer = None
+        if finalizer is not None:
+            finalizer.detach()
+        if pool is not None:
+            pool.shutdown(wait=wait, cancel_futures=True)
 
 
 def _call(job: bytes) -> bytes:
