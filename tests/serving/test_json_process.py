@@ -114,3 +114,29 @@ def test_where_no_helper_can_start_it_decodes_on_a_thread():
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["[1.0,", "2.0]", "True"], done.stdout
     assert "could not start in this process" in done.stderr
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("binary_output", [False, True])
+async def test_large_answers_as_json_and_as_binary(repo, binary_output):
+    """An answer of over 64 Ki numbers as JSON is encoded in the helper process; as binary it is a copy in place.
+    Both equal the engine's."""
+    from service import create_engine
+    from service.repository import load_model
+    from service.transports.rest.codec import HEADER
+
+    x = np.random.default_rng(5).standard_normal((1, 12000, 4)).astype(np.float32)
+    head = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape),
+                                   "parameters": {"binary_data_size": x.nbytes}}],
+                       "outputs": [{"name": "output", "parameters": {"binary_data": binary_output}}]}).encode()
+    want = create_engine(load_model(repo / "lstm"), "cpu").forward(x).output
+    assert want.size > 64 * 1024
+    async with rest_client(repo) as (client, _):
+        r = await client.post("/v2/models/lstm/infer", content=head + x.tobytes(), headers={HEADER: str(len(head))})
+    assert r.status_code == 200, r.text
+    if binary_output:
+        size = int(r.headers[HEADER])
+        got = np.frombuffer(r.content[size:], np.float32).reshape(want.shape)
+    else:
+        got = np.asarray(r.json()["outputs"][0]["data"], np.float32).reshape(want.shape)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -194,6 +194,12 @@ def answer_limit(request: InferRequest, limit: int) -> AnswerLimit:
     return AnswerLimit(limit, 0 if default_binary else JSON_VALUE_BYTES, _REMEDY, cost, what=_WHAT)
 
 
+def json_values(response: InferResponse, request_parameters: dict[str, Any]) -> int:
+    """How many numbers :func:`encode_response` writes as JSON text (binary outputs are copied, not encoded)."""
+    default_binary = bool(request_parameters.get("binary_data_output", False))
+    return sum(t.data.size for t in response.outputs if not _binary(t.parameters, default_binary))
+
+
 def encode_response(response: InferResponse, request_parameters: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
     """Body and headers of a V2 infer response; binary outputs follow the JSON header."""
     default_binary = bool(request_parameters.get("binary_data_output", False))

@@ -22,12 +22,13 @@ from starlette.responses import Response
 
 from ...dataplane import DataPlane
 from ...errors import RNNServeError
-from .codec import HEADER, answer_limit, decode_request, encode_response
+from .codec import HEADER, answer_limit, decode_request, encode_response, json_values
 from .decode_gate import DecodeGate
 from .responses import decompress, error_response, read_body
 
-# Outputs past this many values are encoded off the event loop (the gate's offload, the JSON helper process), so
-# that one large JSON answer does not hold it (and every other request) for its whole encoding (.json_process).
+# Answers with more than this many values as JSON text are encoded off the event loop (the gate's offload, the
+# JSON helper process), so that one large JSON answer does not hold it (and every other request) for its whole
+# encoding (.json_process); binary outputs are a copy, done in place.
 _OFFLOAD_VALUES = 64 * 1024
 
 INFER_PATH = re.compile(r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?/infer")
@@ -45,7 +46,7 @@ async def infer_response(dataplane: DataPlane, request: Request, model: str, ver
     req = await gate.decode(decode_request, body, header, model, version, size=len(body), json_bytes=json_bytes)
     req.answer_limit = answer_limit(req, max_request_bytes)
     resp = await dataplane.infer(req)
-    if sum(t.data.size for t in resp.outputs) > _OFFLOAD_VALUES:
+    if json_values(resp, req.parameters) > _OFFLOAD_VALUES:
         content, headers = await gate.offload(encode_response, resp, req.parameters)
     else:
         content, headers = encode_response(resp, req.parameters)
