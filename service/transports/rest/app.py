@@ -6,8 +6,6 @@ from :data:`service.errors.STATUS_TABLE`, through :func:`error_response`.
 """
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -21,9 +19,9 @@ from ...metrics import CONTENT_TYPE_LATEST
 from .codec import HEADER, parse_json
 from .infer import InferFastPath, infer_response
 from .responses import error_response, read_body
-from .decode_gate import DecodeGate
+from .decode_gate import OFFLOAD_VALUES, DecodeGate
 from .json_process import JsonProcess
-from .predict import PredictRequest, PredictResponse, parse_predict, to_infer_request, to_predictions
+from .predict import PredictRequest, PredictResponse, decode_predict, encode_predictions
 
 
 _INFER_BODY = {
@@ -132,17 +130,21 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
               summary="Predict on ragged sequences (simple JSON)",
               openapi_extra={"requestBody": {"required": True, "content": {
                   "application/json": {"schema": PredictRequest.model_json_schema()}}}})
-    async def predict(model: str, request: Request) -> dict[str, Any]:
+    async def predict(model: str, request: Request) -> Response:
         """Run each instance (a list of feature vectors, any length) and return its outputs.
 
         `output_last` is the output at the sequence's last step (many-to-one); `output` has
         one row per step of that instance.
         """
         raw = await read_body(request, max_request_bytes)
-        body = await gate.decode(parse_predict, raw, size=len(raw))
-        req = to_infer_request(model, body, max_request_bytes)
+        req, lengths = await gate.decode(decode_predict, raw, model, max_request_bytes, size=len(raw))
         resp = await dataplane.infer(req)
-        return to_predictions(resp, [len(s) for s in body.instances])
+        # encoded here rather than by FastAPI's response_model, so that a large answer leaves the event loop too
+        if sum(t.data.size for t in resp.outputs) > OFFLOAD_VALUES:
+            content = await gate.offload(encode_predictions, resp, lengths)
+        else:
+            content = encode_predictions(resp, lengths)
+        return Response(content, media_type="application/json")
 
     # ---- repository extension ---------------------------------------------------------------------------------
 

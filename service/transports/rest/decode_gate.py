@@ -24,6 +24,8 @@ T = TypeVar("T")
 # one large JSON request does not hold it (and every other request) for its whole parse; smaller ones are
 # decoded in place.
 OFFLOAD_BYTES = 256 * 1024
+# Answers with more than this many numbers as JSON text are encoded off the event loop too (``offload``).
+OFFLOAD_VALUES = 64 * 1024
 
 
 class DecodeGate:

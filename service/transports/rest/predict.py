@@ -7,6 +7,7 @@ back to its own length.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 import numpy as np
@@ -95,3 +96,15 @@ def to_predictions(response: InferResponse, lengths: list[int]) -> dict[str, Any
             row = t.data[i]
             preds[i][t.name] = (row[:n] if t.name == "output" else row).tolist()
     return {"predictions": preds}
+
+
+def decode_predict(raw: bytes, model: str, limit: int | None = None) -> tuple[InferRequest, list[int]]:
+    """A predict body as one padded V2 request and its instances' lengths (the JSON helper runs it for large
+    bodies: parsing and padding both hold the GIL throughout, ~0.9 s for 1.28 million numbers)."""
+    body = parse_predict(raw)
+    return to_infer_request(model, body, limit), [len(s) for s in body.instances]
+
+
+def encode_predictions(response: InferResponse, lengths: list[int]) -> bytes:
+    """The predict answer's JSON body (the JSON helper runs it for large answers)."""
+    return json.dumps(to_predictions(response, lengths), separators=(",", ":")).encode()
