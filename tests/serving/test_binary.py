@@ -90,6 +90,28 @@ async def test_compressed_bodies_are_held_to_the_size_limit(repo):
         assert (await client.get("/v2/health/live")).status_code == 200
 
 
+async def test_large_compressed_bodies_inflate_off_the_event_loop_with_the_same_answers_and_errors(repo):
+    """Past 16 KB on the wire a body is inflated on a thread: same answer, same limit, same errors."""
+    x = np.random.default_rng(2).standard_normal((1, 3000, 4)).astype(np.float32)
+    body = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape),
+                                   "data": x.ravel().tolist()}], "outputs": [{"name": "h_n"}]}).encode()
+    packed = gzip.compress(body)
+    assert len(packed) > 16 * 1024
+    async with rest_client(repo, max_request_bytes=1 << 20) as (client, _):
+        plain = await client.post("/v2/models/lstm/infer", content=body)
+        assert plain.status_code == 200, plain.text
+        r = await client.post("/v2/models/lstm/infer", content=packed, headers={"Content-Encoding": "gzip"})
+        assert r.status_code == 200 and r.json() == plain.json(), r.text
+        noise = np.random.default_rng(3).bytes(20 * 1024)  # incompressible: the bomb is past the 16 KB too
+        bomb = gzip.compress(noise + b" " * (20 * 1024 * 1024))
+        assert len(bomb) > 16 * 1024
+        r = await client.post("/v2/models/lstm/infer", content=bomb, headers={"Content-Encoding": "gzip"})
+        assert r.status_code == 413 and "once gzip-decompressed" in r.json()["error"]
+        r = await client.post("/v2/models/lstm/infer", content=packed[:-12], headers={"Content-Encoding": "gzip"})
+        assert r.status_code == 400 and "ends before its stream does" in r.json()["error"]
+        assert (await client.get("/v2/health/live")).status_code == 200
+
+
 @pytest.mark.parametrize("inputs_json, binary, header, message", [
     ([{"name": "input", "datatype": "FP32", "shape": [1, 2, 4], "parameters": {"binary_data_size": 16}}],
      b"\0" * 16, None, "binary_data_size 16 but shape [1, 2, 4] of FP32 needs 32 bytes"),
