@@ -229,6 +229,17 @@ async def test_json_nested_past_the_decoders_limit(repo):
         assert (await client.get("/v2/health/live")).status_code == 200
 
 
+async def test_request_id_is_echoed_and_must_be_a_string(repo):
+    async with rest_client(repo) as (client, _):
+        r = await client.post("/v2/models/lstm/infer", json={"id": "req-7", "inputs": [_inp()]})
+        assert r.status_code == 200 and r.json()["id"] == "req-7"
+        r = await client.post("/v2/models/lstm/infer", json={"id": None, "inputs": [_inp()]})
+        assert r.status_code == 200 and "id" not in r.json()
+        for bad in ({"x": 1}, 7, ["a"]):
+            r = await client.post("/v2/models/lstm/infer", json={"id": bad, "inputs": [_inp()]})
+            assert r.status_code == 400 and "request 'id' must be a string" in r.json()["error"], (bad, r.text)
+
+
 async def test_malformed_bodies(repo):
     async with rest_client(repo, max_request_bytes=4096) as (client, _):
         r = await client.post("/v2/models/lstm/infer", content=b"{not json")

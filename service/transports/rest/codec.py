@@ -89,7 +89,13 @@ def decode_request(body: bytes, header_length: str | None, model: str, version: 
             outputs.append(RequestedOutput(o["name"], params))
     params = _params(doc, "request")
     bool_parameter(params, "binary_data_output", "request")
-    return InferRequest(model, version, str(doc.get("id", "") or ""), inputs, outputs, params)
+    request_id = doc.get("id")
+    if request_id is None:  # absent, or null as some JSON encoders write an unset field
+        request_id = ""
+    elif not isinstance(request_id, str):
+        # echoed back in the answer: a number or object would come back as Python's text of it
+        raise InvalidInput(f"request 'id' must be a string, got {json.dumps(request_id)[:40]}")
+    return InferRequest(model, version, request_id, inputs, outputs, params)
 
 
 def _params(obj: dict, where: str) -> dict[str, Any]:
