@@ -16,10 +16,10 @@ from ...dataplane import DataPlane
 from ...dataplane.repository_parameters import check_load_parameters, check_unload_parameters
 from ...errors import InvalidInput, RNNServeError
 from ...metrics import CONTENT_TYPE_LATEST
-from .codec import HEADER, parse_json
+from .codec import HEADER, parameters_of, parse_json
 from .infer import InferFastPath, infer_response
 from .responses import error_response, read_body
-from .decode_gate import OFFLOAD_VALUES, DecodeGate
+from .decode_gate import DecodeGate
 from .json_process import JsonProcess
 from .predict import PredictRequest, PredictResponse, decode_predict, encode_predictions
 
@@ -140,10 +140,7 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
         req, lengths = await gate.decode(decode_predict, raw, model, max_request_bytes, size=len(raw))
         resp = await dataplane.infer(req)
         # encoded here rather than by FastAPI's response_model, so that a large answer leaves the event loop too
-        if sum(t.data.size for t in resp.outputs) > OFFLOAD_VALUES:
-            content = await gate.offload(encode_predictions, resp, lengths)
-        else:
-            content = encode_predictions(resp, lengths)
+        content = await gate.encode(encode_predictions, resp, lengths, values=sum(t.data.size for t in resp.outputs))
         return Response(content, media_type="application/json")
 
     # ---- repository extension ---------------------------------------------------------------------------------
@@ -155,13 +152,13 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
 
     @app.post("/v2/repository/models/{model}/load", tags=["repository"], summary="Load or reload a model")
     async def load(model: str, request: Request) -> dict:
-        check_load_parameters(model, _parameters(await _json_or_empty(request)))
+        check_load_parameters(model, parameters_of(await _json_or_empty(request), "load request"))
         await dataplane.load_model(model)
         return {}
 
     @app.post("/v2/repository/models/{model}/unload", tags=["repository"], summary="Unload a model")
     async def unload(model: str, request: Request) -> dict:
-        check_unload_parameters(_parameters(await _json_or_empty(request)))
+        check_unload_parameters(parameters_of(await _json_or_empty(request), "unload request"))
         await dataplane.unload_model(model)
         return {}
 
@@ -181,9 +178,3 @@ async def _json_or_empty(request: Request) -> dict:
         raise InvalidInput("request body must be a JSON object")
     return doc
 
-
-def _parameters(doc: dict) -> dict:
-    params = doc.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise InvalidInput("'parameters' must be a JSON object")
-    return params

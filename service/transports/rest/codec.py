@@ -84,10 +84,10 @@ def decode_request(body: bytes, header_length: str | None, model: str, version: 
         for o in doc["outputs"]:
             if not isinstance(o, dict) or not isinstance(o.get("name"), str):
                 raise InvalidInput("each entry of 'outputs' needs a 'name' string")
-            params = _params(o, f"output '{o['name']}'")
+            params = parameters_of(o, f"output '{o['name']}'")
             bool_parameter(params, "binary_data", f"output '{o['name']}'")  # a string would pick the other encoding
             outputs.append(RequestedOutput(o["name"], params))
-    params = _params(doc, "request")
+    params = parameters_of(doc, "request")
     bool_parameter(params, "binary_data_output", "request")
     request_id = doc.get("id")
     if request_id is None:  # absent, or null as some JSON encoders write an unset field
@@ -98,7 +98,8 @@ def decode_request(body: bytes, header_length: str | None, model: str, version: 
     return InferRequest(model, version, request_id, inputs, outputs, params)
 
 
-def _params(obj: dict, where: str) -> dict[str, Any]:
+def parameters_of(obj: dict, where: str) -> dict[str, Any]:
+    """The ``parameters`` object of a JSON request part (``where`` names it in the error), {} when absent."""
     params = obj.get("parameters") or {}
     if not isinstance(params, dict):
         raise InvalidInput(f"{where} 'parameters' must be a JSON object")
@@ -119,7 +120,7 @@ def _decode_input(item: Any, binary: memoryview, offset: int) -> tuple[InferTens
         raise InvalidInput(f"input '{name}' needs a 'shape' list of non-negative integers, got {shape!r}")
     check_shape_size(name, shape)
     count = math.prod(shape)
-    params = _params(item, f"input '{name}'")
+    params = parameters_of(item, f"input '{name}'")
     refuse_extensions(params, f"input '{name}'")
     size = params.get("binary_data_size")
     if size is not None:

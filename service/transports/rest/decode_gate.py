@@ -72,8 +72,11 @@ class DecodeGate:
         async with self.hold(size if json_bytes is None else json_bytes):
             return await self._offload(fn, *args)
 
-    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` off the event loop, outside the gate (a large JSON answer being encoded)."""
+    async def encode(self, fn: Callable[..., T], *args: Any, values: int) -> T:
+        """``fn(*args)`` encoding an answer of ``values`` numbers as JSON text: in place for a small one, else
+        through ``offload`` (outside the gate: binary outputs are a copy and count as none)."""
+        if values <= OFFLOAD_VALUES:
+            return fn(*args)
         return await self._offload(fn, *args)
 
     @property

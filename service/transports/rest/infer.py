@@ -24,12 +24,9 @@ from starlette.responses import Response
 from ...dataplane import DataPlane
 from ...errors import RNNServeError
 from .codec import HEADER, answer_limit, decode_request, encode_response, json_values
-from .decode_gate import OFFLOAD_VALUES, DecodeGate
+from .decode_gate import DecodeGate
 from .responses import decompress, error_response, read_body
 
-# Answers with more than OFFLOAD_VALUES numbers as JSON text are encoded off the event loop (the gate's offload,
-# the JSON helper process), so that one large JSON answer does not hold it (and every other request) for its whole
-# encoding (.json_process); binary outputs are a copy, done in place.
 
 # Compressed bodies past this size are inflated on a thread (a few KB of gzip can hold MBs).
 _INLINE_COMPRESSED_BYTES = 16 * 1024
@@ -55,10 +52,8 @@ async def infer_response(dataplane: DataPlane, request: Request, model: str, ver
     req = await gate.decode(decode_request, body, header, model, version, size=len(body), json_bytes=json_bytes)
     req.answer_limit = answer_limit(req, max_request_bytes)
     resp = await dataplane.infer(req)
-    if json_values(resp, req.parameters) > OFFLOAD_VALUES:
-        content, headers = await gate.offload(encode_response, resp, req.parameters)
-    else:
-        content, headers = encode_response(resp, req.parameters)
+    content, headers = await gate.encode(encode_response, resp, req.parameters,
+                                         values=json_values(resp, req.parameters))
     return Response(content, headers=headers)
 
 
