@@ -12,8 +12,29 @@ class RNNServeError(Exception):
     status: str = "INTERNAL"
 
     def __init__(self, message: str) -> None:
+        message = bounded(message)
         super().__init__(message)
         self.message = message
+
+
+# Messages repeat what the client sent (names, shapes, versions). gRPC carries a message in a header that
+# grpc-core percent-encodes (a non-ASCII byte takes 3) and refuses past 16 KiB, sometimes past 8 KiB, so a
+# 17,000-character model name turned NOT_FOUND into the transport's RESOURCE_EXHAUSTED. Bounded in UTF-8 bytes.
+MAX_MESSAGE_BYTES = 2000
+
+
+def bounded(message: str) -> str:
+    """``message`` if its UTF-8 is at most :data:`MAX_MESSAGE_BYTES`, else its head and tail around a cut mark
+    (the tail keeps the advice on what to change)."""
+    if len(message) <= MAX_MESSAGE_BYTES // 4:
+        return message
+    data = message.encode("utf-8", "replace")
+    if len(data) <= MAX_MESSAGE_BYTES:
+        return message
+    mark = f" [... {len(data) - 1200:,} bytes of the message cut ...] "
+    head = data[:900].decode("utf-8", "ignore")
+    tail = data[-300:].decode("utf-8", "ignore")
+    return head + mark + tail
 
 
 class InvalidInput(RNNServeError):

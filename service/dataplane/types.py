@@ -36,10 +36,16 @@ def numpy_dtype(datatype: str) -> np.dtype:
 # No request comes near this many values; past 2**63 NumPy cannot even describe an empty array of the
 # shape (a zero dimension beside two of 2**40 made np.zeros and reshape raise, a 500 before this check).
 MAX_SHAPE_PRODUCT = 2 ** 48
+# rnnserve's tensors have 1 to 3 dimensions; NumPy cannot make an array of more than 64 (a 500 before this check).
+MAX_DIMENSIONS = 8
 
 
 def check_shape_size(name: str, shape: list[int]) -> None:
-    """InvalidInput if the non-zero dimensions of input ``name``'s ``shape`` multiply past :data:`MAX_SHAPE_PRODUCT`."""
+    """InvalidInput if input ``name``'s ``shape`` has more than :data:`MAX_DIMENSIONS` dimensions, or if its
+    non-zero dimensions multiply past :data:`MAX_SHAPE_PRODUCT`."""
+    if len(shape) > MAX_DIMENSIONS:
+        raise InvalidInput(f"input '{name}' has {len(shape)} dimensions; rnnserve's tensors have 1 to 3 "
+                           f"(input [batch, steps, features], lengths [batch], h_0/c_0 [batch, layers, hidden])")
     product = 1
     for d in shape:
         product *= d or 1
@@ -104,6 +110,8 @@ class AnswerLimit:
     value_bytes: dict[str, int] = field(default_factory=dict)
     trimmed: bool = False
     what: str = "the server's limit on answers"
+    # bytes of the answer's message besides its tensors and the request's echoed texts (names, shapes, framing)
+    overhead: int = 0
 
 
 @dataclass

@@ -28,7 +28,7 @@ def request_deadline(parameters: dict[str, Any]) -> float | None:
     except ValueError:
         raise InvalidInput(f"parameter 'timeout' must be a number of microseconds, got {timeout!r}") from None
     if not np.isfinite(micros) or micros < 0:
-        raise InvalidInput(f"parameter 'timeout' must be >= 0 microseconds, got {timeout!r}")
+        raise InvalidInput(f"parameter 'timeout' must be a finite number >= 0 of microseconds, got {timeout!r}")
     if micros == 0:
         return None
     return time.monotonic() + micros / 1e6
@@ -134,9 +134,11 @@ def check_answer(request: InferRequest, work: SequenceWork, sig: ModelSignature)
     values = {"output": steps * sig.output_size, "output_last": b * sig.output_size,
               "h_n": b * sig.state_rows * (sig.state_size or 0), "c_n": b * sig.cell_rows * (sig.cell_size or 0)}
     size = sum(values[name] * bound.value_bytes.get(name, bound.default) for name in work.outputs)
+    # the answer repeats these; a long id alone once took an answer over gRPC's limit after it had run
+    size += bound.overhead + sum(len(text.encode()) for text in (request.id, request.model_name, request.model_version))
     if size > bound.limit:
         raise TooLarge(
-            f"the answer of model '{request.model_name}' would take about {size / 2**20:,.1f} MiB "
+            f"the answer of model '{request.model_name}' would take about {size:,} bytes "
             f"({', '.join(_count(n, values[n]) for n in sorted(work.outputs))}), over {bound.what} "
             f"of {bound.limit:,} bytes (--max-request-bytes); {bound.remedy}, or send fewer or shorter sequences")
 
@@ -167,11 +169,16 @@ def _float_tensor(t: InferTensor, model: str) -> np.ndarray:
     if t.datatype not in FLOAT_TYPES:
         raise InvalidInput(f"input '{t.name}' has datatype {t.datatype}; send {', '.join(FLOAT_TYPES)}")
     arr = np.asarray(t.data)
-    if not np.isfinite(arr).all():
-        bad = tuple(int(i) for i in np.argwhere(~np.isfinite(arr))[0])
+    with np.errstate(over="ignore"):  # an FP64 value past FP32's range becomes inf, refused just below
+        out = np.ascontiguousarray(arr, dtype=np.float32)
+    if not np.isfinite(out).all():
+        bad = tuple(int(i) for i in np.argwhere(~np.isfinite(out))[0])
+        if np.isfinite(arr[bad]):
+            raise InvalidInput(f"input '{t.name}' has {float(arr[bad])!r} at index {list(bad)}, outside FP32's range "
+                               f"(the models compute in FP32, up to about 3.4e38); send values within it")
         raise InvalidInput(f"input '{t.name}' contains NaN or infinite values (first at index {list(bad)}); "
                            f"send finite numbers")
-    return np.ascontiguousarray(arr, dtype=np.float32)
+    return out
 
 
 def _lengths(t: InferTensor | None, b: int, steps: int) -> np.ndarray:

@@ -143,10 +143,12 @@ class ModelRegistry:
             if entry.versions:
                 return max(entry.versions.values(), key=lambda v: v.version)
             raise Unavailable(f"model '{name}' is not available: {entry.reason or entry.state.value}")
-        if not str(version).isdigit() or int(version) not in entry.versions:
+        text = str(version)
+        # ASCII digits only (str.isdigit takes other scripts' digits), and few: int() refuses past 4,300 digits
+        if not (text.isascii() and text.isdigit() and len(text) <= 18) or int(text) not in entry.versions:
             have = ", ".join(str(v) for v in sorted(entry.versions)) or "none"
             raise NotFound(f"model '{name}' has no version '{version}' (served versions: {have})")
-        return entry.versions[int(version)]
+        return entry.versions[int(text)]
 
     def serving(self, name: str, version: str = "") -> ServedVersion:
         """The READY version that should run a request, or NotFound / Unavailable saying why not."""

@@ -375,6 +375,10 @@ BAD_REQUESTS = {
         lambda x: _raw_request(x, datatype="BYTES"),
         "datatype 'BYTES' is not supported",
     ),
+    "65 dimensions (NumPy's limit is 64: was INTERNAL)": (
+        lambda x: _raw_request(x, shape=[1] * 65, raw=[b"\0" * 4]),
+        "input 'input' has 65 dimensions; rnnserve's tensors have 1 to 3",
+    ),
 }
 
 
@@ -449,6 +453,16 @@ def test_unexpected_error_outside_infer_is_internal(client, fresh):
         client.get_server_metadata(client_timeout=5)
     assert info.value.status() == "StatusCode.INTERNAL"
     assert info.value.message() == "internal error: KeyError: 'version'"
+
+
+def test_an_error_repeating_a_huge_name_keeps_its_status(stub, fresh):
+    """grpc-core refuses a status message past 16 KiB (sometimes 8 KiB) with its own RESOURCE_EXHAUSTED; an
+    error that repeats a 17,000-character model name is cut so that the client gets NOT_FOUND."""
+    for name in ("m" * 17000, "é" * 9000):
+        err = _rpc_error(stub.ModelMetadata, pb.ModelMetadataRequest(name=name), timeout=5)
+        assert err.code() == grpc.StatusCode.NOT_FOUND, err.details()
+        assert "bytes of the message cut ...]" in err.details() and err.details().endswith("is not in the repository")
+        assert len(err.details().encode()) <= 2000
 
 
 def test_rpcs_we_do_not_serve_are_unimplemented(client):

@@ -126,16 +126,25 @@ def test_an_answer_over_the_message_limit_says_what_to_change(served):
         assert "(output: 75,000 numbers)" in info.value.message()
         assert "output_last instead of output" in info.value.message()
 
-        # tensors within the limit, the whole message over it by its names and shapes: refused after it ran
+        # tensors within the limit, the whole message over it by its names and shapes: refused before it runs
         x_edge = x[:, :13107]  # output: 65,535 numbers, 262,140 bytes
         with pytest.raises(InferenceServerException) as info:
             client.infer("lstm", triton_inputs(tg, x_edge, np.array([13107], np.int32)),
                          outputs=[tg.InferRequestedOutput("output")])
         assert info.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
-        assert f"bytes, over the server's gRPC message limit of {LIMIT:,} bytes" in info.value.message()
-        fits = client.infer("lstm", triton_inputs(tg, x[:, :13100], np.array([13100], np.int32)),
+        assert f"would take about 262,656 bytes (output: 65,535 numbers), over the server's gRPC message limit of " \
+               f"{LIMIT:,} bytes" in info.value.message()
+        fits = client.infer("lstm", triton_inputs(tg, x[:, :13000], np.array([13000], np.int32)),
                             outputs=[tg.InferRequestedOutput("output")])
-        np.testing.assert_allclose(fits.as_numpy("output"), engine.forward(x[:, :13100]).output, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(fits.as_numpy("output"), engine.forward(x[:, :13000]).output, rtol=1e-5, atol=1e-6)
+
+        # the answer repeats the request's id: a long id takes it over the limit, refused before it runs
+        id_edge = "i" * (LIMIT - 13000 * 20 - 300)
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("lstm", triton_inputs(tg, x[:, :13000], np.array([13000], np.int32)), request_id=id_edge,
+                         outputs=[tg.InferRequestedOutput("output")])
+        assert info.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+        assert "would take about" in info.value.message()
 
         results: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: results.put((result, error)), stream_timeout=30)

@@ -70,6 +70,11 @@ async def test_model_metadata_and_readiness(repo):
     ("/v2/models/nope/ready", "unknown model 'nope'"),
     ("/v2/models/lstm/versions/7", "model 'lstm' has no version '7' (served versions: 1)"),
     ("/v2/models/lstm/versions/x/ready", "model 'lstm' has no version 'x'"),
+    # int() refuses past 4,300 digits (a 500 before), and str.isdigit takes other scripts' digits ('١' was version 1)
+    ("/v2/models/lstm/versions/" + "1" * 4301, "model 'lstm' has no version '1111"),
+    ("/v2/models/lstm/versions/%D9%A1/ready", "model 'lstm' has no version '\u0661'"),
+    # a message repeats the client's text only in part: gRPC carries messages in a header of bounded size
+    ("/v2/models/" + "m" * 17000, "bytes of the message cut ...] mmm"),
 ])
 async def test_metadata_not_found(repo, path, message):
     async with rest_client(repo) as (client, _):
@@ -185,6 +190,12 @@ BAD = [
     ("lstm", {"inputs": [_inp(data=[2 ** 1100] + [0] * 7)]}, 400, "is FP32: its data must be JSON numbers within its range"),
     ("lstm", {"inputs": [_inp(data=[1e300] + [0] * 7)]}, 400, "contains NaN or infinite values (first at index [0, 0, 0])"),
     ("lstm", {"inputs": [_inp(shape=(2 ** 40, 0, 2 ** 40), data=[])]}, 400, "whose dimensions multiply to more than 2**48"),
+    # NumPy makes no array of over 64 dimensions: a 500 before the check
+    ("lstm", {"inputs": [_inp(shape=(1,) * 65, data=[0])]}, 400, "input 'input' has 65 dimensions; rnnserve's tensors have 1 to 3"),
+    # finite in FP64, inf in the FP32 the models compute in: answered with NaN before the check
+    ("lstm", {"inputs": [_inp(datatype="FP64", data=[0] * 5 + [1e300, 0, 0])]}, 400,
+     "input 'input' has 1e+300 at index [0, 1, 1], outside FP32's range"),
+    ("lstm", {"inputs": [_inp(), _inp("h_0", "FP64", (1, 2, 8), [-1e39] * 16)]}, 400, "input 'h_0' has -1e+39 at index [0, 0, 0]"),
     ("lstm", {"inputs": [_inp()], "parameters": {"binary_data_output": "false"}}, 400,
      "request parameter 'binary_data_output' must be true or false, got 'false'"),
     ("lstm", {"inputs": [_inp()], "outputs": [{"name": "output", "parameters": {"binary_data": 1}}]}, 400,
@@ -419,7 +430,7 @@ async def test_json_answers_are_held_to_the_request_limit(repo):
         assert len(json.dumps(body)) < 64 * 1024
         r = await client.post("/v2/models/lstm/infer", json=body)
         assert r.status_code == 413, r.text
-        assert ("the answer of model 'lstm' would take about 0.2 MiB (h_n: 16 numbers, output: 8,000 numbers), over "
+        assert ("the answer of model 'lstm' would take about 160,324 bytes (h_n: 16 numbers, output: 8,000 numbers), over "
                 "the server's limit on JSON answers of 65,536 bytes (--max-request-bytes); ask for binary outputs"
                 ) in r.json()["error"]
         r = await client.post("/v2/models/lstm/infer", json={**body, "parameters": {"binary_data_output": True}})

@@ -21,6 +21,11 @@ from .status import grpc_status
 
 # How many ModelStreamInfer requests of one stream may be in flight at once.
 STREAM_WINDOW = 64
+# What a ModelStreamInferResponse takes besides its raw output tensors and the texts it repeats from the request:
+# four outputs' names, datatypes and shapes, field tags and lengths, parameters, the stream's wrapper (under 300 bytes).
+ANSWER_FRAME_BYTES = 512
+# A ModelStreamInferResponse around its ModelInferResponse: the field's tag and length, an empty error_message.
+_STREAM_WRAPPER_BYTES = 16
 # Room in a ModelInferResponse beside its raw output tensors (names, shapes, parameters): far above what they take.
 _SIZE_HEADROOM = 64 * 1024
 
@@ -47,17 +52,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         # answers are FP32 raw contents, 4 bytes a number: refused before they run when those alone are over the limit
         self._answer_limit = None if max_message_bytes is None else AnswerLimit(
             max_message_bytes, 4, "ask only for the outputs you need (output_last instead of output), raise the limit",
-            what="the server's gRPC message limit")
+            what="the server's gRPC message limit", overhead=ANSWER_FRAME_BYTES)
 
-    async def _answer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+    async def _answer(self, request: pb.ModelInferRequest, wrapper: int = 0) -> pb.ModelInferResponse:
         """The ModelInferResponse to ``request``, refused with a message that says what to change when it is
-        over the message limit (grpc would fail the send with only the two sizes)."""
+        over the message limit (grpc would fail the send with only the two sizes). ``wrapper``: bytes the
+        message it travels in adds (a stream's)."""
         decoded = decode_request(request)
-        decoded.answer_limit = self._answer_limit
-        limit = self._max_message_bytes
+        decoded.answer_limit = self._answer_limit  # refused before it runs: tensors, echoed texts, framing
+        limit = None if self._max_message_bytes is None else self._max_message_bytes - wrapper
         response = encode_response(await self._dataplane.infer(decoded))
-        # Its tensors within the limit, the whole message may still be over it by its names and shapes: the exact
-        # size, but ByteSize encodes the whole message, so only answers whose tensors come near the limit pay for it.
+        # A backstop for the estimate above, after the run (a stream's state has moved by then): the exact size,
+        # but ByteSize encodes the whole message, so only answers whose tensors come near the limit pay for it.
         if (limit is not None and sum(map(len, response.raw_output_contents)) > limit - _SIZE_HEADROOM
                 and (size := response.ByteSize()) > limit):
             raise TooLarge(
@@ -159,7 +165,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if after is not None:
             await asyncio.wait([after])
         try:
-            infer_response = await self._answer(request)
+            infer_response = await self._answer(request, _STREAM_WRAPPER_BYTES)
         except Exception as exc:
             _, message = grpc_status(exc)
             # The request's identity goes back with the error, so clients can match them.
