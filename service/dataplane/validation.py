@@ -25,7 +25,7 @@ def request_deadline(parameters: dict[str, Any]) -> float | None:
         raise InvalidInput(f"parameter 'timeout' must be a number of microseconds, got {timeout!r}")
     try:
         micros = float(timeout)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: an integer past float's range
         raise InvalidInput(f"parameter 'timeout' must be a number of microseconds, got {timeout!r}") from None
     if not np.isfinite(micros) or micros < 0:
         raise InvalidInput(f"parameter 'timeout' must be a finite number >= 0 of microseconds, got {timeout!r}")

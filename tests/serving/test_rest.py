@@ -177,6 +177,8 @@ BAD = [
     ("lstm", {"inputs": [_inp()], "parameters": {"sequence_start": True}}, 400, "sequence_start/sequence_end need a non-zero"),
     ("lstm", {"inputs": [_inp()], "parameters": {"sequence_id": 3, "sequence_end": "yes"}}, 400, "'sequence_end' must be true or false"),
     ("lstm", {"inputs": [_inp()], "parameters": {"timeout": "soon"}}, 400, "parameter 'timeout' must be a number of microseconds"),
+    ("lstm", {"inputs": [_inp()], "parameters": {"timeout": 10 ** 400}}, 400, "parameter 'timeout' must be a number"),  # was a 500
+    ("lstm", {"inputs": [_inp()], "parameters": []}, 400, "request 'parameters' must be a JSON object"),
     ("lstm", {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, -2, 4], "data": X}]}, 400, "'shape' list of non-negative integers"),
     # JSON integers past a type's range, and fractions for an integer type: NumPy raised OverflowError
     # (a 500) or cut 1.7 to 1 (a length silently wrong)
@@ -228,6 +230,12 @@ async def test_integer_literal_past_pythons_digit_limit(repo):
         assert r.status_code == 400 and "more than 4,300 digits" in r.json()["error"], r.text
         assert "set_int_max_str_digits" not in r.json()["error"]
         assert (await client.get("/v2/health/live")).status_code == 200
+
+
+async def test_wrong_method_says_which_are_allowed(repo):
+    async with rest_client(repo) as (client, _):
+        r = await client.get("/v2/repository/index")
+        assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json() == {"error": "Method Not Allowed"}
 
 
 async def test_json_nested_past_the_decoders_limit(repo):
@@ -352,6 +360,8 @@ async def test_repository_index_load_unload(repo):
         assert r.status_code == 400 and "is not a model name" in r.json()["error"]
         r = await client.post("/v2/repository/index", content=b"[1]")
         assert r.status_code == 400
+        r = await client.post("/v2/repository/index", json={"ready": "false"})  # bool("false") listed ready ones only
+        assert r.status_code == 400 and "repository index parameter 'ready' must be true or false" in r.json()["error"]
         # Triton's load overrides are refused by name, never ignored (the caller would get another configuration)
         r = await client.post("/v2/repository/models/lstm/load", json={"parameters": {"config": '{"max_batch_size": 8}'}})
         assert r.status_code == 400 and "load parameters are not supported (got config)" in r.json()["error"]

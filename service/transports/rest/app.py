@@ -14,11 +14,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ... import __version__
 from ...dataplane import DataPlane
 from ...dataplane.repository_parameters import check_load_parameters, check_unload_parameters
+from ...dataplane.validation import bool_parameter
 from ...errors import InvalidInput, RNNServeError
 from ...metrics import CONTENT_TYPE_LATEST
 from .codec import HEADER, parameters_of, parse_json
 from .infer import InferFastPath, infer_response
-from .responses import error_response, read_body
+from .responses import error_response, read_decoded_body
 from .decode_gate import DecodeGate
 from .json_process import JsonProcess
 from .predict import PredictRequest, PredictResponse, decode_predict, encode_predictions
@@ -72,7 +73,8 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
+        # its headers too: a 405 must say what is allowed (Allow, RFC 9110 15.5.6)
+        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
 
     # ---- health and metadata --------------------------------------------------------------------------
 
@@ -136,7 +138,7 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
         `output_last` is the output at the sequence's last step (many-to-one); `output` has
         one row per step of that instance.
         """
-        raw = await read_body(request, max_request_bytes)
+        raw = await read_decoded_body(request, max_request_bytes)
         req, lengths = await gate.decode(decode_predict, raw, model, max_request_bytes, size=len(raw))
         resp = await dataplane.infer(req)
         # encoded here rather than by FastAPI's response_model, so that a large answer leaves the event loop too
@@ -147,18 +149,18 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
 
     @app.post("/v2/repository/index", tags=["repository"], summary="List models, versions and states")
     async def repository_index(request: Request) -> list[dict]:
-        doc = await _json_or_empty(request)
-        return await dataplane.repository_index(bool(doc.get("ready", False)))
+        doc = await _json_or_empty(request, max_request_bytes, gate)
+        return await dataplane.repository_index(bool_parameter(doc, "ready", "repository index"))
 
     @app.post("/v2/repository/models/{model}/load", tags=["repository"], summary="Load or reload a model")
     async def load(model: str, request: Request) -> dict:
-        check_load_parameters(model, parameters_of(await _json_or_empty(request), "load request"))
+        check_load_parameters(model, parameters_of(await _json_or_empty(request, max_request_bytes, gate), "load request"))
         await dataplane.load_model(model)
         return {}
 
     @app.post("/v2/repository/models/{model}/unload", tags=["repository"], summary="Unload a model")
     async def unload(model: str, request: Request) -> dict:
-        check_unload_parameters(parameters_of(await _json_or_empty(request), "unload request"))
+        check_unload_parameters(parameters_of(await _json_or_empty(request, max_request_bytes, gate), "unload request"))
         await dataplane.unload_model(model)
         return {}
 
@@ -169,11 +171,13 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
     return InferFastPath(app, dataplane, max_request_bytes, gate, close=lambda: helper.close(wait=True))
 
 
-async def _json_or_empty(request: Request) -> dict:
-    body = await request.body()
+async def _json_or_empty(request: Request, max_request_bytes: int, gate: DecodeGate) -> dict:
+    """A repository request's JSON object ({} for an empty body), held to the request limit like any body and
+    parsed off the event loop when large (a Triton load may carry model files in its overrides)."""
+    body = await read_decoded_body(request, max_request_bytes)
     if not body.strip():
         return {}
-    doc = parse_json(body)
+    doc = await gate.decode(parse_json, body, size=len(body))
     if not isinstance(doc, dict):
         raise InvalidInput("request body must be a JSON object")
     return doc

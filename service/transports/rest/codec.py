@@ -49,10 +49,11 @@ def parse_json(body: bytes | str) -> Any:
 def decode_request(body: bytes, header_length: str | None, model: str, version: str) -> InferRequest:
     """Parse a V2 infer request body (JSON, or JSON header + binary tensors)."""
     if header_length is not None:
-        try:
-            n = int(header_length)
-        except ValueError:
-            raise InvalidInput(f"header {HEADER} must be an integer, got '{header_length}'") from None
+        text = header_length.strip()
+        # ASCII digits only: int() also takes '+1', '1_000', other scripts' digits, and fails past 4,300 digits
+        if not (text.isascii() and text.removeprefix("-").isdigit() and len(text) <= 19):
+            raise InvalidInput(f"header {HEADER} must be an integer, got '{header_length}'")
+        n = int(text)
         if n < 0:
             raise InvalidInput(f"header {HEADER} is {n}; it must be the JSON header's length in bytes (>= 0)")
         if n > len(body):
@@ -60,7 +61,13 @@ def decode_request(body: bytes, header_length: str | None, model: str, version: 
         head, binary = body[:n], memoryview(body)[n:]
     else:
         head, binary = body, memoryview(b"")
-    doc = parse_json(head)
+    try:
+        doc = parse_json(head)
+    except InvalidInput as exc:
+        if header_length is None:
+            raise InvalidInput(f"{exc.message} (a body with binary tensors after its JSON needs the {HEADER} "
+                               f"header)") from None
+        raise
     if not isinstance(doc, dict):
         raise InvalidInput("request body must be a JSON object with an 'inputs' list")
     raw_inputs = doc.get("inputs")
@@ -100,7 +107,9 @@ def decode_request(body: bytes, header_length: str | None, model: str, version: 
 
 def parameters_of(obj: dict, where: str) -> dict[str, Any]:
     """The ``parameters`` object of a JSON request part (``where`` names it in the error), {} when absent."""
-    params = obj.get("parameters") or {}
+    params = obj.get("parameters")
+    if params is None:
+        return {}
     if not isinstance(params, dict):
         raise InvalidInput(f"{where} 'parameters' must be a JSON object")
     return params

@@ -1,15 +1,19 @@
 """How the REST transport reads request bodies and reports errors (one place for both)."""
 from __future__ import annotations
 
+import asyncio
 import zlib
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from ...errors import STATUS_TABLE, InvalidInput, RNNServeError, TooLarge
 
-# zlib window bits of each request Content-Encoding tritonclient sends (gzip.compress, zlib.compress)
-_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+# zlib window bits of each request Content-Encoding tritonclient sends (gzip.compress, zlib.compress); names are
+# case-insensitive, and x-gzip is gzip (RFC 9110 8.4.1)
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+# Compressed bodies past this size are inflated on a thread (a few KB of gzip can hold MBs).
+_INLINE_COMPRESSED_BYTES = 16 * 1024
 
 # Bytes a number takes in a JSON answer: Python prints each float32 as the double nearest it, up to ~20
 # characters with its comma (-0.0012345678918063641,), and holds it meanwhile as a float in a list (32 bytes).
@@ -33,12 +37,28 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise RequestTooLarge(f"request body of {declared} bytes is larger than the limit of {limit} bytes "
                               f"(--max-request-bytes); send fewer or shorter sequences")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestTooLarge(f"request body is larger than the limit of {limit} bytes (--max-request-bytes)")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestTooLarge(f"request body is larger than the limit of {limit} bytes (--max-request-bytes)")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # nobody reads the answer; raised, it was logged as an error with a traceback per such client
+        raise InvalidInput("the client closed the connection before it sent the whole body") from None
     return b"".join(chunks)
+
+
+async def read_decoded_body(request: Request, limit: int) -> bytes:
+    """The body (:func:`read_body`) with its Content-Encoding undone (:func:`decompress`): what every route
+    that takes a body reads."""
+    body = await read_body(request, limit)
+    encoding = request.headers.get("content-encoding")
+    if encoding and encoding != "identity" and len(body) > _INLINE_COMPRESSED_BYTES:
+        # zlib lets go of the GIL while it inflates: on a thread, the event loop keeps serving (82 MB of JSON
+        # from 37 MB of gzip: 0.30 s inline, pauses of at most 0.04 s on a thread; development machine)
+        return await asyncio.to_thread(decompress, body, encoding, limit)
+    return decompress(body, encoding, limit)
 
 
 def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
@@ -48,6 +68,9 @@ def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
     thousandfold, and unbounded they would fill the server's memory (RequestTooLarge instead).
     """
     if not encoding or encoding == "identity":
+        return body
+    encoding = encoding.strip().lower()
+    if encoding == "identity":
         return body
     wbits = _WBITS.get(encoding)
     if wbits is None:
@@ -70,7 +93,10 @@ def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
             if not stream.eof:
                 raise InvalidInput(f"request body is not valid {encoding} data: it ends before its stream does "
                                    f"(truncated?)")
-            body = stream.unused_data if encoding == "gzip" else b""
+            body = stream.unused_data if wbits > zlib.MAX_WBITS else b""  # gzip members may follow; nothing else
+            if wbits == zlib.MAX_WBITS and stream.unused_data:
+                raise InvalidInput(f"request body has {len(stream.unused_data)} bytes after its deflate stream; "
+                                   f"send the compressed data alone")
     except zlib.error as exc:
         raise InvalidInput(f"request body is not valid {encoding} data: {exc}") from None
     return b"".join(parts)
