@@ -25,8 +25,10 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
+from ..errors import Unavailable
 from ..scheduler import SequenceWork
 from ..scheduler.batching import merge, split
 from .view import ModelView, Prepared
@@ -69,14 +71,23 @@ class _Coalescing(ABC):
     each of its requests, as it would have each alone.
     """
 
-    def __init__(self, limit: int = MAX_IN_FLIGHT) -> None:
+    def __init__(self, limit: int = MAX_IN_FLIGHT, max_waiting: int | None = None) -> None:
         self._waiting: list[_Entry] = []
         self._in_flight = 0
         self._limit = max(1, int(limit))  # messages out at once
+        self._max_waiting = max_waiting  # the model's max_queue_size: requests waiting here at most
         self._scheduled = False
 
     def submit(self, prepared: Prepared) -> asyncio.Future:
-        """Queue one validated request; the future gets its outputs by name (or its error)."""
+        """Queue one validated request; the future gets its outputs by name (or its error).
+
+        Unavailable at once when the model's ``max_queue_size`` requests already wait here: without the
+        bound, requests piled up in the front-end without limit (the engine process's queue holds this
+        front-end's few messages, whatever they carry).
+        """
+        if self._max_waiting is not None and len(self._waiting) >= self._max_waiting:
+            raise Unavailable(f"{self._what()} is overloaded: {len(self._waiting)} requests are waiting in this "
+                              f"front-end (max_queue_size {self._max_waiting}); retry later")
         loop = asyncio.get_running_loop()
         entry = _Entry(prepared, loop.create_future(), time.perf_counter())
         self._waiting.append(entry)
@@ -95,6 +106,18 @@ class _Coalescing(ABC):
             fut, context = self._send_group(group)
             sent = time.perf_counter()
             fut.add_done_callback(lambda f, g=group, c=context, s=sent: self._answer(g, c, f, s))
+            for i, entry in enumerate(group):
+                entry.future.add_done_callback(partial(self._gone, group, fut, i))
+
+    def _gone(self, group: list[_Entry], fut: asyncio.Future, index: int, request: asyncio.Future) -> None:
+        """A request of a sent message settled; if it was cancelled (its client went away) before the message
+        was answered, tell the engine process (:meth:`_withdraw`), as the one process cancels its work."""
+        if request.cancelled() and not fut.done():
+            self._withdraw(group, fut, index)
+
+    @abstractmethod
+    def _withdraw(self, group: list[_Entry], fut: asyncio.Future, index: int) -> None:
+        """Request ``index`` of the message ``fut`` was cancelled before the message was answered."""
 
     def _note(self, group: list[_Entry], sent: float) -> None:
         """Log (debug) a message whose oldest request took :data:`SLOW_NOTE_S` or more, and where the time went."""
@@ -104,6 +127,10 @@ class _Coalescing(ABC):
             log.debug("a message of %d requests took %.1f ms in this front-end: %.1f ms waiting in its lane "
                       "(%d messages in flight), %.1f ms to the engine process and back", len(group),
                       1e3 * (now - oldest), 1e3 * (sent - oldest), self._in_flight, 1e3 * (now - sent))
+
+    def _what(self) -> str:
+        """What waits here, for messages."""
+        return "this model's stream chunks"
 
     @abstractmethod
     def _take(self) -> list[_Entry]:
@@ -145,9 +172,12 @@ class Lane(_Coalescing):
     """
 
     def __init__(self, view: ModelView, send: Callable[[Prepared], asyncio.Future]) -> None:
-        super().__init__(view.frontend_in_flight)
+        super().__init__(view.frontend_in_flight, view.max_queue_size)
         self.view = view
         self._send = send
+
+    def _what(self) -> str:
+        return f"model '{self.view.name}'"
 
     def _take(self) -> list[_Entry]:
         """The oldest waiting requests that fit in one batch of the model, sequences and memory (at least one)."""
@@ -169,6 +199,11 @@ class Lane(_Coalescing):
         outputs = frozenset().union(*(e.prepared.work.outputs for e in group))
         work = SequenceWork(batch.x, batch.lengths, batch.h0, batch.c0, outputs)
         return self._send(Prepared(work, None, None, len(group))), batch
+
+    def _withdraw(self, group: list[_Entry], fut: asyncio.Future, index: int) -> None:
+        # merged work is one request to the engine process: it is withdrawn once none of its requests wants it
+        if all(e.future.cancelled() for e in group):
+            fut.cancel()
 
     def _outcomes(self, group: list[_Entry], batch: Any, results: Any) -> list[tuple[bool, Any]]:
         if batch is None:
@@ -193,10 +228,12 @@ class ChunkLane(_Coalescing):
     """
 
     def __init__(self, send_one: Callable[[Prepared], asyncio.Future],
-                 send_many: Callable[[list[Prepared]], asyncio.Future]) -> None:
-        super().__init__()
+                 send_many: Callable[[list[Prepared]], asyncio.Future],
+                 cancel_item: Callable[[asyncio.Future, int], None], max_waiting: int | None = None) -> None:
+        super().__init__(max_waiting=max_waiting)
         self._send_one = send_one
         self._send_many = send_many
+        self._cancel_item = cancel_item
 
     def _take(self) -> list[_Entry]:
         group, self._waiting = self._waiting[:MAX_CHUNKS], self._waiting[MAX_CHUNKS:]
@@ -206,6 +243,14 @@ class ChunkLane(_Coalescing):
         if len(group) == 1:
             return self._send_one(group[0].prepared), None
         return self._send_many([e.prepared for e in group]), None
+
+    def _withdraw(self, group: list[_Entry], fut: asyncio.Future, index: int) -> None:
+        # each chunk is its own work in the engine process: the cancelled one alone is withdrawn (which ends
+        # its stream there, as in one process), the other streams' chunks of the message run on
+        if len(group) == 1:
+            fut.cancel()
+        else:
+            self._cancel_item(fut, index)
 
     def _outcomes(self, group: list[_Entry], context: Any, value: Any) -> list[tuple[bool, Any]]:
         return [(True, value)] if len(group) == 1 else value

@@ -206,7 +206,7 @@ class DataPlane:
             view = self._views[served.generation] = ModelView(
                 served.name, served.label, served.generation, self._signature(served.model.spec),
                 served.config.max_sequence_length, served.config.max_batch_size, served.budget,
-                served.config.frontend_in_flight)
+                served.config.frontend_in_flight, served.config.max_queue_size)
         return view
 
     def _stream_chunk(self, served: ServedVersion, stream: StreamRequest, work: SequenceWork,

@@ -21,7 +21,10 @@ so the engine process counts it and answers with the same error.
 
 Wire format on a Unix socket: 8-byte little-endian length + pickle (protocol 5) of
 ``(id, method, args)`` (``submit_many``: several works, answered by one list of ``(ok, value)``); replies are ``(id, ok, value)`` where a failed call carries the
-exception (rnnserve errors keep their status). Pickle is safe here: both ends are
+exception (rnnserve errors keep their status). A front-end whose client went away sends
+``(None, "cancel", (id, index))`` for a request's call (``index``: one work of a ``submit_many``),
+with no reply: the engine process cancels that work as one process would, and the call is
+still answered. Pickle is safe here: both ends are
 processes of this server, on a socket in a private temporary folder. A front-end's
 large request arrays travel in its shared-memory arena instead (:mod:`.arena`): the frame
 carries their place, and the place is freed when the reply comes.
@@ -49,6 +52,8 @@ _LENGTH = struct.Struct("<Q")
 ASYNC_METHODS = frozenset({"infer", "load_model", "unload_model", "live", "ready", "server_metadata", "model_metadata",
                            "model_ready", "repository_index", "render_metrics", "model_config", "model_statistics"})
 SYNC_METHODS = frozenset({"model_view"})
+# Calls whose work a front-end cancels when its client goes away: ``(None, "cancel", (id, index))`` (no reply).
+CANCELLABLE_METHODS = frozenset({"submit", "submit_many", "infer"})
 
 
 def frame_parts(obj: Any) -> tuple[bytes, bytes]:
@@ -158,6 +163,7 @@ class DataPlaneServer:
         self.path = path
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._calls: dict[tuple[int, int], Any] = {}  # (connection, call id) -> its work, until answered
 
     async def start(self) -> None:
         """Listen on the socket."""
@@ -184,6 +190,9 @@ class DataPlaneServer:
             if method == "submit_many":
                 self._submit_many(conn, msg_id, args)
                 return
+            if method == "cancel":
+                self._cancel(conn, *args)
+                return
             if method == "attach_arena":
                 try:
                     arenas.attach(*args)
@@ -198,6 +207,8 @@ class DataPlaneServer:
                 task = asyncio.get_running_loop().create_task(self._call_async(conn, msg_id, method, args))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+                if method in CANCELLABLE_METHODS:
+                    self._track(conn, msg_id, task)
                 return
             try:
                 if method not in SYNC_METHODS:
@@ -214,12 +225,36 @@ class DataPlaneServer:
         conn = FrameConnection(on_frame, on_lost)
         return conn
 
+    def _track(self, conn: FrameConnection, msg_id: int, work: Any) -> None:
+        """Keep call ``msg_id``'s future (or list of futures, one per item) until it is answered, so that the
+        front-end can cancel it."""
+        key = (id(conn), msg_id)
+        self._calls[key] = work
+        if not isinstance(work, list):  # a list: _submit_many untracks it when its last item is answered
+            work.add_done_callback(partial(self._untrack, key, work))
+
+    def _untrack(self, key: tuple[int, int], work: Any, _: Any = None) -> None:
+        if self._calls.get(key) is work:
+            del self._calls[key]
+
+    def _cancel(self, conn: FrameConnection, msg_id: int, index: int | None) -> None:
+        """Cancel the work of call ``msg_id`` (its item ``index`` of a submit_many); gone already: nothing."""
+        work = self._calls.get((id(conn), msg_id))
+        if work is None:
+            return
+        if isinstance(work, list):
+            if index is not None and 0 <= index < len(work) and work[index] is not None:
+                work[index].cancel()
+            return
+        work.cancel()
+
     def _submit(self, conn: FrameConnection, msg_id: int, args: tuple) -> None:
         try:
             fut = self.dataplane.submit_prepared(*args)
         except Exception as exc:  # noqa: BLE001 - the caller gets it
             conn.send((msg_id, False, _portable(exc)))
             return
+        self._track(conn, msg_id, fut)
         self._tasks.add(fut)
         requests = getattr(args[-1], "requests", 1)  # a front-end's merged requests travel as one Prepared
         fut.add_done_callback(partial(self._answer, conn, msg_id, requests, time.perf_counter()))
@@ -234,8 +269,11 @@ class DataPlaneServer:
         carries every (ok, value), in order, once the last is done."""
         name, version, generation, items = args
         outcomes: list[tuple[bool, Any] | None] = [None] * len(items)
+        futures: list[asyncio.Future | None] = [None] * len(items)
         left = len(items)
         read = time.perf_counter()
+        key = (id(conn), msg_id)
+        self._track(conn, msg_id, futures)
 
         def settle(i: int, fut: asyncio.Future | None = None, exc: Exception | None = None) -> None:
             nonlocal left
@@ -244,6 +282,7 @@ class DataPlaneServer:
             outcomes[i] = _outcome(fut) if fut is not None else (False, _portable(exc))
             left -= 1
             if not left:
+                self._untrack(key, futures)
                 conn.send((msg_id, True, outcomes))
                 _note(len(items), read)
 
@@ -253,12 +292,15 @@ class DataPlaneServer:
             except Exception as exc:  # noqa: BLE001 - that work's caller gets it
                 settle(i, exc=exc)
                 continue
+            futures[i] = fut
             self._tasks.add(fut)
             fut.add_done_callback(partial(settle, i))
 
     async def _call_async(self, conn: FrameConnection, msg_id: int, method: str, args: tuple) -> None:
         try:
             reply = (msg_id, True, await getattr(self.dataplane, method)(*args))
+        except asyncio.CancelledError:  # the front-end cancelled it: it still gets a reply, which frees its arrays
+            reply = (msg_id, False, Unavailable("the request was cancelled in the engine process"))
         except Exception as exc:  # noqa: BLE001 - the caller gets it
             reply = (msg_id, False, _portable(exc))
         conn.send(reply)
@@ -288,6 +330,7 @@ class RemoteDataPlane:
         self._view_fetches: dict[tuple[str, str], asyncio.Future] = {}
         self._lanes: dict[tuple[str, str, int], Lane] = {}
         self._chunk_lanes: dict[tuple[str, str, int], ChunkLane] = {}
+        self._many: dict[asyncio.Future, int] = {}  # submit_many calls not yet settled: their ids, to cancel items
 
     async def connect(self) -> None:
         """Open the connection to the engine process."""
@@ -340,13 +383,18 @@ class RemoteDataPlane:
         self._pending.clear()
 
     def _send(self, method: str, *args: Any) -> asyncio.Future:
-        """Send one call; the future gets its reply."""
+        """Send one call; the future gets its reply. Cancelling the future of a request's call (its client
+        went away) cancels the request's work in the engine process too, as in one process."""
         fut = asyncio.get_running_loop().create_future()
         if self._conn is None or self._conn.closed:
             fut.set_exception(Unavailable("the engine process is not reachable; the server is stopping"))
             return fut
         msg_id = next(self._ids)
         self._pending[msg_id] = fut
+        if method in CANCELLABLE_METHODS:
+            fut.add_done_callback(partial(self._settled, msg_id))
+            if method == "submit_many":
+                self._many[fut] = msg_id
         if self._arena is None:
             self._conn.send((msg_id, method, args))
             return fut
@@ -360,6 +408,22 @@ class RemoteDataPlane:
         if placement.places:
             self._held[msg_id] = placement.places
         return fut
+
+    def _settled(self, msg_id: int, fut: asyncio.Future) -> None:
+        self._many.pop(fut, None)
+        if fut.cancelled():
+            self._cancel(msg_id, None)
+
+    def _cancel(self, msg_id: int, index: int | None) -> None:
+        """Ask the engine process to cancel call ``msg_id``'s work (item ``index`` of a submit_many); no reply."""
+        if self._conn is not None and not self._conn.closed:
+            self._conn.send((None, "cancel", (msg_id, index)))
+
+    def _cancel_item(self, fut: asyncio.Future, index: int) -> None:
+        """Cancel work ``index`` of the submit_many call whose future is ``fut``, in the engine process."""
+        msg_id = self._many.get(fut)
+        if msg_id is not None:
+            self._cancel(msg_id, index)
 
     async def _call(self, method: str, *args: Any) -> Any:
         return await self._send(method, *args)
@@ -448,7 +512,7 @@ class RemoteDataPlane:
         if lane is None:
             lane = self._chunk_lanes[key + (view.generation,)] = ChunkLane(
                 partial(self._send, "submit", *key, view.generation),
-                partial(self._send, "submit_many", *key, view.generation))
+                partial(self._send, "submit_many", *key, view.generation), self._cancel_item, view.max_queue_size)
         return lane
 
     def _forget(self, key: tuple[str, str], view: ModelView) -> None:

@@ -34,6 +34,7 @@ class ModelView:
     max_batch_size: int
     budget: MemoryBudget
     frontend_in_flight: int = 2  # messages a front-end's lane keeps in the engine process (see .coalesce)
+    max_queue_size: int | None = None  # requests a front-end's lane keeps waiting at most (see .coalesce)
 
 
 @dataclass

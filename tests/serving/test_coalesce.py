@@ -195,7 +195,7 @@ async def test_stream_chunks_travel_together_and_each_answers_on_its_own(datapla
     rng = np.random.default_rng(7)
     whole = {s: rng.standard_normal((1, 9, 4)).astype(np.float32) for s in ("a", "b")}
     side = ServerSide(dataplane)
-    lane = ChunkLane(side.one, side.many)
+    lane = ChunkLane(side.one, side.many, lambda fut, index: None)
 
     def chunk(stream: str, lo: int, hi: int, start: bool, end: bool = False) -> asyncio.Future:
         x = whole[stream][:, lo:hi] if stream in whole else np.zeros((1, 2, 4), np.float32)
@@ -224,7 +224,7 @@ async def test_a_lone_chunk_leaves_alone_and_a_cancelled_chunk_is_not_sent(datap
     from service.dataplane.validation import StreamRequest
 
     side = ServerSide(dataplane)
-    lane = ChunkLane(side.one, side.many)
+    lane = ChunkLane(side.one, side.many, lambda fut, index: None)
     x = np.ones((1, 3, 4), np.float32)
 
     def chunk(stream: str) -> asyncio.Future:
@@ -252,7 +252,7 @@ async def test_a_slow_message_is_logged_at_debug_with_its_lane_wait_and_round_tr
         loop.call_later(delays.pop(0), fut.set_result, value)
         return fut
 
-    lane = ChunkLane(lambda p: send({"h_n": p}), lambda ps: send([(True, {"h_n": p}) for p in ps]))
+    lane = ChunkLane(lambda p: send({"h_n": p}), lambda ps: send([(True, {"h_n": p}) for p in ps]), lambda f, i: None)
     with caplog.at_level(logging.DEBUG, logger="rnnserve.dataplane.coalesce"):
         delays[:] = [0.0]
         assert await lane.submit("fast") == {"h_n": "fast"}

@@ -14,18 +14,20 @@ the stack, ~37 µs outside). The FastAPI route stays declared (it documents the 
 """
 from __future__ import annotations
 
+import asyncio
 import re
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from ...dataplane import DataPlane
-from ...errors import RNNServeError
+from ...errors import RNNServeError, Unavailable
 from .codec import HEADER, answer_limit, decode_request, encode_response, json_values
 from .decode_gate import DecodeGate
 from .responses import error_response, read_decoded_body
 
+T = TypeVar("T")
 INFER_PATH = re.compile(r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?/infer")
 
 
@@ -42,10 +44,36 @@ async def infer_response(dataplane: DataPlane, request: Request, model: str, ver
         json_bytes = min(int(header), len(body))  # decode_request refuses other headers by name
     req = await gate.decode(decode_request, body, header, model, version, size=json_bytes)
     req.answer_limit = answer_limit(req, max_request_bytes)
-    resp = await dataplane.infer(req)
+    if req.parameters.get("sequence_id"):
+        resp = await _unless_client_leaves(dataplane.infer(req), request.receive)
+    else:
+        resp = await dataplane.infer(req)
     content, headers = await gate.encode(encode_response, resp, req.parameters,
                                          values=json_values(resp, req.parameters))
     return Response(content, headers=headers)
+
+
+async def _unless_client_leaves(work: Awaitable[T], receive: Callable[[], Awaitable[dict]]) -> T:
+    """``work``'s result, or ``work`` cancelled once the client closes its connection.
+
+    For stream chunks: a chunk whose client went away before its answer ends its stream (the client
+    cannot know whether the chunk moved the state), as gRPC's cancellation does. ASGI's ``receive``
+    gives ``http.disconnect`` once the body is read and the connection closes. Plain requests are
+    not watched: their outcome changes nothing else, and watching costs each request a task.
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(receive())
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if not task.done() and not watch.cancelled() and watch.result().get("type") == "http.disconnect":
+        task.cancel()
+        raise Unavailable("the client closed the connection before its answer; its stream was ended")
+    return await task
 
 
 class InferFastPath:
