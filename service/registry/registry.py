@@ -36,7 +36,7 @@ from ..scheduler import MemoryBudget, Scheduler, StreamStore
 
 log = logging.getLogger("rnnserve.registry")
 _GENERATIONS = itertools.count(1)
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # fullmatch: '$' also matches before a final newline
 
 # Fields the server's settings give every model unless its config.json says otherwise.
 DEFAULTED_FIELDS = ("max_batch_size", "max_queue_delay_us", "max_queue_size", "max_sequence_length",
@@ -200,10 +200,14 @@ class ModelRegistry:
             await self.load(name)
         except RNNServeError as exc:
             log.error("model %s is unavailable: %s", name, exc.message)
+            entry = self._models.get(name)
+            if entry is not None and entry.state == ModelState.LOADING and not entry.versions:
+                # refused before its folder was read (a folder whose name is not a model name): say why
+                entry.state, entry.reason = ModelState.UNAVAILABLE, exc.message
 
     async def load(self, name: str) -> None:
         """(Re)load model ``name`` from the repository per its version policy; raise the load error if any."""
-        if not _NAME.match(name):
+        if not _NAME.fullmatch(name):
             raise InvalidInput(f"'{name}' is not a model name: use letters, digits, '_', '-', '.', starting "
                                f"with a letter or digit")
         model_dir = self.repository / name
@@ -217,8 +221,11 @@ class ModelRegistry:
 
     async def _load_locked(self, entry: ModelEntry, model_dir: Path) -> None:
         try:
-            config = effective_config(model_dir, self.defaults)
-            wanted = self._policy_versions(model_dir, config)
+            try:
+                config = effective_config(model_dir, self.defaults)
+                wanted = self._policy_versions(model_dir, config)
+            except (OSError, ValueError, RecursionError) as exc:  # config.json a folder, unreadable, nested too deep
+                raise InvalidInput(f"model folder {model_dir} cannot be read: {type(exc).__name__}: {exc}") from None
         except RNNServeError as exc:
             if not any(v.state == ModelState.READY for v in entry.versions.values()):
                 for sv in list(entry.versions.values()):
@@ -238,12 +245,17 @@ class ModelRegistry:
             previous = old.get(v)
             if sv.state == ModelState.READY or previous is None or previous.state != ModelState.READY:
                 entry.versions[v] = sv
+        loaded = any(sv.state == ModelState.READY for sv in fresh.values())
         for v, previous in old.items():
-            if entry.versions.get(v) is not previous:
-                await self._retire(previous, drain=True, forget=v not in fresh)
-                if v not in fresh:
+            if v not in fresh:
+                # outside the policy now (or its folder is gone): retired once the new versions serve; a failed
+                # reload leaves the versions that served before serving, and unloaded or failed ones go
+                if loaded or previous.state != ModelState.READY:
+                    await self._retire(previous, drain=True)
                     del entry.versions[v]
-                elif entry.versions[v].streams is not None and previous.streams is not None:
+            elif entry.versions.get(v) is not previous:
+                await self._retire(previous, drain=True, forget=False)
+                if entry.versions[v].streams is not None and previous.streams is not None:
                     entry.versions[v].streams.adopt_endings(previous.streams)
         ok = any(sv.state == ModelState.READY for sv in entry.versions.values())
         entry.state = ModelState.READY if ok else ModelState.UNAVAILABLE

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -44,7 +44,7 @@ class ModelConfig(BaseModel):
         512, ge=0, description="Device memory the cuDNN engine may keep for CUDA graphs of repeated equal-length "
                                "calls (their input, output and state buffers), in MiB; 0 turns the graphs off.",
     )
-    version_policy: Literal["latest", "all"] | list[int] = Field(
+    version_policy: Literal["latest", "all"] | Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1)] = Field(
         "latest", description="Which versions to serve: 'latest', 'all' or a list of version numbers."
     )
     max_streams: int = Field(1024, ge=1, description="Live stateful streams at most; more are refused with UNAVAILABLE.")

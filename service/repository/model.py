@@ -22,7 +22,7 @@ from .safetensors_io import load_tensors, save_tensors
 
 FORMAT_VERSION = "1"
 STORAGE_DTYPES = ("float32", "float16", "bfloat16")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # fullmatch: '$' also matches before a final newline
 
 
 @dataclass
@@ -60,7 +60,7 @@ class PackedModel:
 
     def save(self, repository: str | Path, name: str, version: int = 1, dtype: str | None = None) -> Path:
         """Write ``repository/name/version/model.safetensors`` (and a default config.json if none); return it."""
-        if not _NAME_RE.match(name):
+        if not _NAME_RE.fullmatch(name):
             raise InvalidInput(
                 f"model name '{name}' is not allowed: use letters, digits, '_', '-', '.' (max 128), starting alphanumeric"
             )
@@ -96,7 +96,16 @@ def model_versions(model_dir: Path) -> list[int]:
     if not model_dir.is_dir():
         return []
     return sorted(int(p.name) for p in model_dir.iterdir()
-                  if p.is_dir() and p.name.isdigit() and (p / "model.safetensors").exists())
+                  if p.is_dir() and version_number(p.name) is not None and (p / "model.safetensors").exists())
+
+
+def version_number(name: str) -> int | None:
+    """The version a folder ``name`` holds: a whole number in ASCII digits without leading zeros, else None
+    (``str.isdigit`` also takes '²' and other scripts' digits, which ``int`` refuses; '007' would be read as 7
+    while its files live in a folder that version 7 does not name)."""
+    if name.isascii() and name.isdigit() and len(name) <= 18 and (name == "0" or not name.startswith("0")):
+        return int(name)
+    return None
 
 
 def resolve_model_path(path: str | Path) -> tuple[Path, int]:
@@ -104,7 +113,7 @@ def resolve_model_path(path: str | Path) -> tuple[Path, int]:
     path = Path(path)
     if path.is_file() and path.name == "model.safetensors":
         path = path.parent
-    if path.name.isdigit() and (path / "model.safetensors").exists():
+    if version_number(path.name) is not None and (path / "model.safetensors").exists():
         return path.parent, int(path.name)
     versions = model_versions(path)
     if not versions:

@@ -380,9 +380,23 @@ async def test_broken_models_do_not_stop_others(repo):
     (repo / "badcfg" / "config.json").write_text('{"max_batch_sise": 3}')
     (repo / "corrupt" / "1").mkdir(parents=True)
     (repo / "corrupt" / "1" / "model.safetensors").write_bytes(b"\x01\x00")
+    # each was LOADING for good with no reason, or a 500 on load, before
+    (repo / "cfgdir" / "config.json").mkdir(parents=True)  # IsADirectoryError
+    (repo / "_under").mkdir()  # not a model name
+    (repo / "nopolicy").mkdir()
+    (repo / "nopolicy" / "config.json").write_text('{"version_policy": []}')
+    for odd in ("\u00b2", "007"):  # '²' is a digit to str.isdigit, not to int(); '007' is no folder of version 7
+        make_model(*LSTM, seed=3).save(repo, "oddversions", 1)
+        (repo / "oddversions" / "1").rename(repo / "oddversions" / odd)
     async with rest_client(repo) as (client, dataplane):
         assert await dataplane.ready()
         rows = {r["name"]: r for r in (await client.post("/v2/repository/index")).json()}
+        assert rows["cfgdir"]["state"] == "UNAVAILABLE" and "IsADirectoryError" in rows["cfgdir"]["reason"]
+        assert rows["_under"]["state"] == "UNAVAILABLE" and "'_under' is not a model name" in rows["_under"]["reason"]
+        assert rows["nopolicy"]["state"] == "UNAVAILABLE" and "version_policy" in rows["nopolicy"]["reason"]
+        assert rows["oddversions"]["state"] == "UNAVAILABLE" and "has no version folder" in rows["oddversions"]["reason"]
+        r = await client.post("/v2/repository/models/cfgdir/load")
+        assert r.status_code == 400 and "cannot be read: IsADirectoryError" in r.json()["error"]
         assert rows["lstm"]["state"] == "READY"
         assert rows["empty"]["state"] == "UNAVAILABLE" and "has no version folder" in rows["empty"]["reason"]
         assert rows["badcfg"]["state"] == "UNAVAILABLE" and "max_batch_sise" in rows["badcfg"]["reason"]
@@ -392,6 +406,34 @@ async def test_broken_models_do_not_stop_others(repo):
         r = await client.post("/v2/repository/models/badcfg/load")
         assert r.status_code == 400 and "max_batch_sise" in r.json()["error"]
         assert (await client.post("/v2/models/lstm/infer", json={"inputs": [_inp()]})).status_code == 200
+
+
+async def test_a_reload_retires_the_versions_its_policy_drops(repo):
+    """Versions outside the policy after a reload stop serving and leave the index; before, a new version 2
+    left version 1 READY beside it, and a policy naming [1] left version 2 answering unversioned requests."""
+    x = np.ones((1, 2, 4), np.float32)
+    async with rest_client(repo) as (client, dataplane):
+        make_model(*LSTM, seed=12).save(repo, "lstm", 2)
+        assert (await client.post("/v2/repository/models/lstm/load")).status_code == 200
+        index = [(r["name"], r["version"], r["state"]) for r in (await client.post("/v2/repository/index")).json()]
+        assert index == [("gru_bi", "1", "READY"), ("lstm", "2", "READY")]
+        assert (await client.get("/v2/models/lstm/versions/1/ready")).status_code == 404
+        write_config(repo, "lstm", version_policy=[1])
+        assert (await client.post("/v2/repository/models/lstm/load")).status_code == 200
+        assert (await client.get("/v2/models/lstm")).json()["versions"] == ["1"]
+        r = await client.post("/v2/models/lstm/infer", json=_infer_body(x))
+        assert r.json()["model_version"] == "1"
+        np.testing.assert_allclose(_outputs(r)["h_n"], _engine(repo, "lstm/1").forward(x).h_n, atol=1e-5)
+        metrics = (await client.get("/metrics")).text
+        assert 'rnnserve_model_ready{model="lstm",version="2"}' not in metrics
+        assert 'rnnserve_model_ready{model="lstm",version="1"} 1.0' in metrics
+        # a reload whose versions all fail leaves the version that served before serving
+        write_config(repo, "lstm", version_policy=[2])
+        (repo / "lstm" / "2" / "model.safetensors").write_bytes(b"\x01\x00")
+        r = await client.post("/v2/repository/models/lstm/load")
+        assert r.status_code >= 400
+        r = await client.post("/v2/models/lstm/infer", json=_infer_body(x))
+        assert r.status_code == 200 and r.json()["model_version"] == "1"
 
 
 async def test_version_policy(repo):
