@@ -151,6 +151,12 @@ BAD = [
     ("lstm", {"inputs": [_inp(data=[True] * 8)]}, 400, "its data must be JSON numbers within its range (no booleans, strings or nulls)"),
     ("lstm", {"inputs": [_inp(data=["0.5"] * 8)]}, 400, "its data must be JSON numbers within its range (no booleans, strings or nulls)"),
     ("lstm", {"inputs": [_inp(data=[None] * 8)]}, 400, "its data must be JSON numbers within its range (no booleans, strings or nulls)"),
+    # NumPy reads a boolean among numbers as 1: a length of 1, an input of 1.0, answered before
+    ("lstm", {"inputs": [_inp(data=[True] + [0.5] * 7)]}, 400, "got true or false among them"),
+    ("lstm", {"inputs": [_inp(data=[[[0.5] * 4, [0.5, 0.5, False, 0.5]]])]}, 400, "got true or false among them"),
+    ("lstm", {"inputs": [_inp(), _inp("lengths", "INT32", (1,), [True])]}, 400, "must be whole numbers"),
+    ("gru_bi", {"inputs": [_inp(shape=(2, 1, 4), data=[0.5] * 8), _inp("lengths", "INT64", (2,), [True, 1])]}, 400,
+     "got true or false among them"),
     ("lstm", {"inputs": [_inp(shape=(1, 8), data=[0] * 8)]}, 400, "must have 3 dimensions"),
     ("lstm", {"inputs": [_inp(shape=(0, 2, 4), data=[])]}, 400, "empty batch"),
     ("lstm", {"inputs": [_inp(shape=(1, 0, 4), data=[])]}, 400, "0 time steps"),

@@ -76,8 +76,10 @@ def decode_request(body: bytes, header_length: str | None, model: str, version: 
                            '{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 2, 3], "data": [...]}]}')
     offset = 0
     inputs = []
+    # NumPy reads [true, 3] as [1, 3]: data is scanned for booleans only when the JSON holds a literal at all
+    booleans = b"true" in head or b"false" in head
     for item in raw_inputs:
-        tensor, used = _decode_input(item, binary, offset)
+        tensor, used = _decode_input(item, binary, offset, booleans)
         offset += used
         inputs.append(tensor)
     if offset != len(binary):
@@ -115,7 +117,7 @@ def parameters_of(obj: dict, where: str) -> dict[str, Any]:
     return params
 
 
-def _decode_input(item: Any, binary: memoryview, offset: int) -> tuple[InferTensor, int]:
+def _decode_input(item: Any, binary: memoryview, offset: int, booleans: bool = True) -> tuple[InferTensor, int]:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         raise InvalidInput("each input needs a 'name' string, a 'datatype', a 'shape' and 'data'")
     name = item["name"]
@@ -148,22 +150,26 @@ def _decode_input(item: Any, binary: memoryview, offset: int) -> tuple[InferTens
         return InferTensor(name, datatype, shape, arr, params), size
     if "data" not in item:
         raise InvalidInput(f"input '{name}' has neither 'data' nor a binary_data_size parameter")
-    arr = _json_values(name, datatype, dtype, item["data"])
+    arr = _json_values(name, datatype, dtype, item["data"], booleans)
     if arr.size != count:
         raise InvalidInput(f"input '{name}' has {arr.size} values but shape {shape} needs {count}")
     return InferTensor(name, datatype, shape, arr.reshape(shape), params), 0
 
 
-def _json_values(name: str, datatype: str, dtype: np.dtype, data: Any) -> np.ndarray:
+def _json_values(name: str, datatype: str, dtype: np.dtype, data: Any, booleans: bool = True) -> np.ndarray:
     """The JSON ``data`` of an input as an array of ``dtype`` (InvalidInput saying what to change).
 
     Integer types take whole numbers only (3 or 3.0), in range: NumPy would cut 2.7 to 2 (a length
-    silently wrong) and raise OverflowError, not ValueError, past the type's range.
+    silently wrong) and raise OverflowError, not ValueError, past the type's range. ``booleans``: the
+    data may hold true/false among numbers (NumPy reads them as 1 and 0), so it is scanned for them.
     """
     try:
         raw = np.asarray(data)
         if raw.size == 0:
             return raw.astype(dtype)
+        if booleans and raw.dtype.kind in "iuf" and _holds_bool(data):
+            raise InvalidInput(f"input '{name}' is {datatype}: its data must be JSON numbers, got true or false "
+                               f"among them (no booleans, strings or nulls)")
         if dtype.kind not in "iu":
             # NumPy would read true as 1.0 and "2.5" as 2.5; JSON numbers only, as Triton takes them.
             if raw.dtype.kind not in "iuf":
@@ -181,6 +187,13 @@ def _json_values(name: str, datatype: str, dtype: np.dtype, data: Any) -> np.nda
     except (ValueError, TypeError, OverflowError) as exc:
         raise InvalidInput(f"input '{name}' data cannot be read as {datatype} (nested lists must be "
                            f"rectangular numbers within its range): {exc}") from exc
+
+
+def _holds_bool(data: Any) -> bool:
+    """Whether ``data`` (a number or nested lists of them) holds a JSON boolean."""
+    if isinstance(data, list):
+        return any(v is True or v is False or (isinstance(v, list) and _holds_bool(v)) for v in data)
+    return isinstance(data, bool)
 
 
 def _binary(parameters: dict[str, Any], default_binary: bool) -> bool:
