@@ -14,6 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..errors import InvalidInput
 
 
+# version numbers (>= 1), at least one: an empty list loaded "successfully" into a model with no version
+VersionList = Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1)]
+
+
 class ModelConfig(BaseModel):
     """Serving settings of one model (all optional in config.json)."""
 
@@ -44,7 +48,7 @@ class ModelConfig(BaseModel):
         512, ge=0, description="Device memory the cuDNN engine may keep for CUDA graphs of repeated equal-length "
                                "calls (their input, output and state buffers), in MiB; 0 turns the graphs off.",
     )
-    version_policy: Literal["latest", "all"] | Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1)] = Field(
+    version_policy: Literal["latest", "all"] | VersionList = Field(
         "latest", description="Which versions to serve: 'latest', 'all' or a list of version numbers."
     )
     max_streams: int = Field(1024, ge=1, description="Live stateful streams at most; more are refused with UNAVAILABLE.")

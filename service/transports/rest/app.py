@@ -154,13 +154,15 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
 
     @app.post("/v2/repository/models/{model}/load", tags=["repository"], summary="Load or reload a model")
     async def load(model: str, request: Request) -> dict:
-        check_load_parameters(model, parameters_of(await _json_or_empty(request, max_request_bytes, gate), "load request"))
+        doc = await _json_or_empty(request, max_request_bytes, gate)
+        check_load_parameters(model, parameters_of(doc, "load request"))
         await dataplane.load_model(model)
         return {}
 
     @app.post("/v2/repository/models/{model}/unload", tags=["repository"], summary="Unload a model")
     async def unload(model: str, request: Request) -> dict:
-        check_unload_parameters(parameters_of(await _json_or_empty(request, max_request_bytes, gate), "unload request"))
+        doc = await _json_or_empty(request, max_request_bytes, gate)
+        check_unload_parameters(parameters_of(doc, "unload request"))
         await dataplane.unload_model(model)
         return {}
 
