@@ -31,7 +31,7 @@ from ..engines import create_engine
 from ..errors import InvalidInput, NotFound, RNNServeError, Unavailable
 from ..metrics import ServerMetrics
 from ..repository import ModelConfig, PackedModel, load_config, load_model
-from ..repository.model import model_versions
+from ..repository.model import model_versions, version_number
 from ..scheduler import MemoryBudget, Scheduler, StreamStore
 
 log = logging.getLogger("rnnserve.registry")
@@ -143,12 +143,11 @@ class ModelRegistry:
             if entry.versions:
                 return max(entry.versions.values(), key=lambda v: v.version)
             raise Unavailable(f"model '{name}' is not available: {entry.reason or entry.state.value}")
-        text = str(version)
-        # ASCII digits only (str.isdigit takes other scripts' digits), and few: int() refuses past 4,300 digits
-        if not (text.isascii() and text.isdigit() and len(text) <= 18) or int(text) not in entry.versions:
+        number = version_number(str(version))  # as version folders are named: '1', not '01', '²' or 4,301 digits
+        if number is None or number not in entry.versions:
             have = ", ".join(str(v) for v in sorted(entry.versions)) or "none"
             raise NotFound(f"model '{name}' has no version '{version}' (served versions: {have})")
-        return entry.versions[int(text)]
+        return entry.versions[number]
 
     def serving(self, name: str, version: str = "") -> ServedVersion:
         """The READY version that should run a request, or NotFound / Unavailable saying why not."""

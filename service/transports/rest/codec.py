@@ -46,14 +46,21 @@ def parse_json(body: bytes | str) -> Any:
                            "too deeply; send tensor data as a flat list (or nested only as deep as its shape)") from None
 
 
-def decode_request(body: bytes, header_length: str | None, model: str, version: str) -> InferRequest:
-    """Parse a V2 infer request body (JSON, or JSON header + binary tensors)."""
-    if header_length is not None:
-        text = header_length.strip()
-        # ASCII digits only: int() also takes '+1', '1_000', other scripts' digits, and fails past 4,300 digits
-        if not (text.isascii() and text.removeprefix("-").isdigit() and len(text) <= 19):
-            raise InvalidInput(f"header {HEADER} must be an integer, got '{header_length}'")
-        n = int(text)
+def header_length(text: str | None) -> int | None:
+    """The value of the binary extension's header (None when absent), or InvalidInput when it is no integer."""
+    if text is None:
+        return None
+    digits = text.strip()
+    # ASCII digits only: int() also takes '+1', '1_000', other scripts' digits, and fails past 4,300 digits
+    if not (digits.isascii() and digits.removeprefix("-").isdigit() and len(digits) <= 19):
+        raise InvalidInput(f"header {HEADER} must be an integer, got '{text}'")
+    return int(digits)
+
+
+def decode_request(body: bytes, n: int | None, model: str, version: str) -> InferRequest:
+    """Parse a V2 infer request body: JSON, or (``n``: the :func:`header_length`) a JSON header of ``n`` bytes
+    and binary tensors."""
+    if n is not None:
         if n < 0:
             raise InvalidInput(f"header {HEADER} is {n}; it must be the JSON header's length in bytes (>= 0)")
         if n > len(body):
@@ -64,7 +71,7 @@ def decode_request(body: bytes, header_length: str | None, model: str, version: 
     try:
         doc = parse_json(head)
     except InvalidInput as exc:
-        if header_length is None:
+        if n is None:
             raise InvalidInput(f"{exc.message} (a body with binary tensors after its JSON needs the {HEADER} "
                                f"header)") from None
         raise
