@@ -90,6 +90,12 @@ class EngineUnavailable(RNNServeError):
     status = "UNAVAILABLE"
 
 
+class Unimplemented(RNNServeError):
+    """A protocol feature rnnserve does not serve (one of Triton's extensions); the message says what instead."""
+
+    status = "UNIMPLEMENTED"
+
+
 class MissingDependency(RNNServeError):
     """An optional framework is needed for this step; the message names the extra to install."""
 
@@ -104,6 +110,7 @@ STATUS_TABLE: dict[str, tuple[int, str]] = {
     "DEADLINE_EXCEEDED": (504, "DEADLINE_EXCEEDED"),
     "FAILED_PRECONDITION": (400, "FAILED_PRECONDITION"),
     "RESOURCE_EXHAUSTED": (413, "RESOURCE_EXHAUSTED"),
+    "UNIMPLEMENTED": (501, "UNIMPLEMENTED"),
     "INTERNAL": (500, "INTERNAL"),
 }
 

@@ -596,3 +596,49 @@ def test_repository_index_load_unload(client, fresh):
 def test_repository_index_ready_only(stub, fresh):
     reply = stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True), timeout=5)
     assert [m.name for m in reply.models] == ["double"]
+
+
+# ------------------------------------------------------- malformed and unserved calls
+
+
+@pytest.mark.parametrize("method", ["ModelInfer", "ModelMetadata", "RepositoryModelLoad"])
+def test_bytes_that_are_not_the_message_are_invalid_argument(channel, client, fresh, method):
+    # grpc's own parsing answered UNKNOWN with protobuf's words; the wrapper parses and says what to send
+    call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}")
+    error = _rpc_error(call, b"\xff\xff\xff", timeout=5)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"the request is not a valid inference.{method}Request message" in error.details()
+    assert "tritonclient.grpc" in error.details()
+    assert client.is_server_live()
+
+
+def test_a_corrupt_message_in_a_stream_ends_it_with_invalid_argument(channel, fresh):
+    call = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                 response_deserializer=pb.ModelStreamInferResponse.FromString)
+    good = _stream_request(0).SerializeToString()
+    with pytest.raises(grpc.RpcError) as info:
+        list(call(iter([good, b"\xff\xff\xff"]), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid inference.ModelInferRequest message" in info.value.details()
+
+
+@pytest.mark.parametrize("call, words", [
+    ("get_system_shared_memory_status", "system shared memory extension (SystemSharedMemoryStatus); send tensors"),
+    ("get_cuda_shared_memory_status", "CUDA shared memory extension (CudaSharedMemoryStatus)"),
+    ("get_trace_settings", "trace extension (TraceSetting); per-request timings are in the Prometheus metrics"),
+    ("get_log_settings", "logging extension (LogSettings); set the log level when the server starts"),
+])
+def test_tritons_unserved_extensions_say_what_to_use_instead(client, fresh, call, words):
+    with pytest.raises(InferenceServerException) as info:
+        getattr(client, call)()
+    assert info.value.status() == "StatusCode.UNIMPLEMENTED"
+    assert "rnnserve does not implement Triton's " + words in info.value.message()
+
+
+def test_an_unknown_method_lists_the_served_ones(channel, fresh):
+    error = _rpc_error(channel.unary_unary("/inference.GRPCInferenceService/Nope"), b"", timeout=5)
+    assert error.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "has no method 'Nope'; rnnserve serves ServerLive, ServerReady" in error.details()
+    # another service is grpc's own answer
+    other = _rpc_error(channel.unary_unary("/other.Service/Call"), b"", timeout=5)
+    assert other.code() == grpc.StatusCode.UNIMPLEMENTED

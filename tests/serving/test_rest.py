@@ -85,7 +85,23 @@ async def test_metadata_not_found(repo, path, message):
 async def test_unknown_route_is_json_404(repo):
     async with rest_client(repo) as (client, _):
         r = await client.get("/v2/nothing/here")
-        assert r.status_code == 404 and "error" in r.json()
+        assert r.status_code == 404
+        assert r.json()["error"] == "no route GET /v2/nothing/here; the routes rnnserve serves are listed at /docs"
+
+
+@pytest.mark.parametrize("method, path, words", [
+    ("GET", "/v2/systemsharedmemory/status", "system shared memory extension (GET /v2/systemsharedmemory/status)"),
+    ("POST", "/v2/systemsharedmemory/region/r/register", "system shared memory extension"),
+    ("POST", "/v2/cudasharedmemory/region/r/unregister", "CUDA shared memory extension"),
+    ("GET", "/v2/trace/setting", "trace extension"),
+    ("POST", "/v2/models/lstm/trace/setting", "trace extension"),
+    ("GET", "/v2/logging", "logging extension (GET /v2/logging); set the log level"),
+])
+async def test_tritons_unserved_extensions_are_501_saying_what_instead(repo, method, path, words):
+    async with rest_client(repo) as (client, _):
+        r = await client.request(method, path)
+        assert r.status_code == 501 and "rnnserve does not implement Triton's " + words in r.json()["error"]
+        assert (await client.post("/v2/models/lstm")).headers["allow"] == "GET"  # other routes keep their answers
 
 
 async def test_json_infer_matches_engine(repo):

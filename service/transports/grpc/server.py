@@ -5,14 +5,14 @@ import asyncio
 import contextlib
 
 from grpc import aio
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
 from ...ports import bind_listener, listen_error
 from .generated import inference_pb2 as pb
-from .generated import inference_pb2_grpc as pb_grpc
 from .servicer import InferenceServicer
-from .status import map_errors
+from .status import register
+from .unserved import UnservedMethods
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 SERVICE_NAME = "inference.GRPCInferenceService"
@@ -113,11 +113,11 @@ def create_grpc_server(
             ("grpc.so_reuseport", int(reuse_port)),
         ],
     )
-    servicer = map_errors(InferenceServicer(dataplane, max_message_bytes=max_message_bytes),
-                          pb.DESCRIPTOR.services_by_name["GRPCInferenceService"])
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
-    health = map_errors(ReadinessHealthServicer(dataplane), health_pb2.DESCRIPTOR.services_by_name["Health"])
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    inference = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    register(server, InferenceServicer(dataplane, max_message_bytes=max_message_bytes), inference)
+    health = ReadinessHealthServicer(dataplane)
+    register(server, health, health_pb2.DESCRIPTOR.services_by_name["Health"])
+    server.add_generic_rpc_handlers((UnservedMethods(inference),))
 
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     if port and not reuse_port:

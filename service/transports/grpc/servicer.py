@@ -2,7 +2,7 @@
 
 Each RPC converts wire messages to protocol types (:mod:`.codec`), calls the one
 :class:`~service.dataplane.DataPlane`, and converts back. Errors are raised, not
-handled here: :func:`.status.map_errors` maps them for every RPC.
+handled here: :func:`.status.register` maps them for every RPC.
 """
 from __future__ import annotations
 

@@ -1,27 +1,30 @@
 """The one mapping from rnnserve errors to gRPC status, applied to every RPC.
 
-:func:`map_errors` wraps every RPC method of a servicer once, as it is registered,
-so an RPC cannot forget to map an error: a :class:`~service.errors.RNNServeError` ends
-the call with the gRPC code of its status in :data:`~service.errors.STATUS_TABLE`
-and its message; anything else ends it with INTERNAL and a message (and is logged
-with its traceback), never UNKNOWN and never a hang. ModelStreamInfer, which
-reports per-message errors inside the stream, uses :func:`grpc_status` for the
-same text. (A grpc.aio server interceptor would do the same but runs per call,
-~20-40 µs of an RPC's CPU.)
+:func:`register` adds a servicer to a server with every RPC method wrapped once, so an RPC
+cannot forget to map an error: a :class:`~service.errors.RNNServeError` ends the call with
+the gRPC code of its status in :data:`~service.errors.STATUS_TABLE` and its message;
+anything else ends it with INTERNAL and a message (and is logged with its traceback),
+never UNKNOWN and never a hang. ModelStreamInfer, which reports per-message errors inside
+the stream, uses :func:`grpc_status` for the same text. (A grpc.aio server interceptor
+would do the same but runs per call, ~20-40 µs of an RPC's CPU.)
+
+Requests are parsed inside the wrapper, not by grpc: grpc ends a call whose bytes do not
+parse with UNKNOWN and protobuf's words; here it is INVALID_ARGUMENT with what to change.
 """
 from __future__ import annotations
 
 import inspect
 import logging
-from typing import TypeVar
+from typing import Any, AsyncIterator, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.protobuf.message_factory import GetMessageClass
 from grpc import aio
 
-from ...errors import STATUS_TABLE, RNNServeError
+from ...errors import STATUS_TABLE, InvalidInput, RNNServeError
 
 log = logging.getLogger(__name__)
-Servicer = TypeVar("Servicer")
 
 
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -38,12 +41,34 @@ async def _abort(context: aio.ServicerContext, exc: Exception):
     await context.abort(code, message)
 
 
-def _wrap(behavior):
-    """``behavior`` (coroutine or async-generator handler) with errors mapped."""
+def _parser(message_class) -> Callable[[bytes], Any]:
+    """``message_class.FromString`` that says what to change when the bytes are not such a message."""
+    name = message_class.DESCRIPTOR.full_name
+
+    def parse(raw: bytes):
+        try:
+            return message_class.FromString(raw)
+        except DecodeError as exc:
+            raise InvalidInput(
+                f"the request is not a valid {name} message ({exc}); send it with a client generated from "
+                f"rnnserve's or Triton's grpc_service.proto (e.g. tritonclient.grpc)") from None
+    return parse
+
+
+async def _parsed(raw_messages: AsyncIterator[bytes], parse) -> AsyncIterator[Any]:
+    async for raw in raw_messages:
+        yield parse(raw)
+
+
+def _wrap(behavior, parse, client_streaming: bool):
+    """``behavior`` (coroutine or async-generator handler) fed parsed requests, with errors mapped."""
+    def request_of(raw):
+        return _parsed(raw, parse) if client_streaming else parse(raw)
+
     if inspect.isasyncgenfunction(behavior):
-        async def stream_behavior(request_or_iterator, context):
+        async def stream_behavior(raw, context):
             try:
-                async for response in behavior(request_or_iterator, context):
+                async for response in behavior(request_of(raw), context):
                     yield response
             except aio.AbortError:
                 raise
@@ -51,9 +76,9 @@ def _wrap(behavior):
                 await _abort(context, exc)
         return stream_behavior
 
-    async def unary_behavior(request_or_iterator, context):
+    async def unary_behavior(raw, context):
         try:
-            result = behavior(request_or_iterator, context)
+            result = behavior(request_of(raw), context)
             return await result if inspect.isawaitable(result) else result
         except aio.AbortError:
             raise
@@ -62,14 +87,30 @@ def _wrap(behavior):
     return unary_behavior
 
 
-def map_errors(servicer: Servicer, service_descriptor) -> Servicer:
-    """``servicer`` with each RPC method of ``service_descriptor`` wrapped once: its errors mapped.
+_HANDLER_KINDS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
 
-    Call it before the servicer is added to the server: the generated ``add_*_to_server``
-    reads the (now wrapped) methods from the instance.
+
+def register(server: aio.Server, servicer: Any, service_descriptor) -> None:
+    """Serve each RPC of ``service_descriptor`` that ``servicer`` has a method for, errors mapped.
+
+    In place of the generated ``add_*_to_server``, which has grpc parse the requests.
     """
+    handlers = {}
     for method in service_descriptor.methods:
         behavior = getattr(servicer, method.name, None)
-        if behavior is not None:
-            setattr(servicer, method.name, _wrap(behavior))
-    return servicer
+        if behavior is None:
+            continue
+        kind = (method.client_streaming, method.server_streaming)
+        response_class = GetMessageClass(method.output_type)
+        handlers[method.name] = _HANDLER_KINDS[kind](
+            _wrap(behavior, _parser(GetMessageClass(method.input_type)), method.client_streaming),
+            request_deserializer=None,  # bytes: parsed by the wrapper
+            response_serializer=response_class.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_descriptor.full_name, handlers),))
+    server.add_registered_method_handlers(service_descriptor.full_name, handlers)

@@ -14,8 +14,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ... import __version__
 from ...dataplane import DataPlane
 from ...dataplane.repository_parameters import check_load_parameters, check_unload_parameters
+from ...dataplane.unsupported import REST_PREFIXES, unsupported
 from ...dataplane.validation import bool_parameter
-from ...errors import InvalidInput, RNNServeError
+from ...errors import InvalidInput, RNNServeError, bounded
 from ...metrics import CONTENT_TYPE_LATEST
 from .codec import HEADER, parameters_of, parse_json
 from .infer import InferFastPath, infer_response
@@ -72,9 +73,12 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
         return error_response(InvalidInput(f"invalid request body: {problems}"))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":  # Starlette's words for a path no route has
+            message = f"no route {request.method} {request.url.path}; the routes rnnserve serves are listed at /docs"
         # its headers too: a 405 must say what is allowed (Allow, RFC 9110 15.5.6)
-        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
+        return JSONResponse({"error": bounded(message)}, status_code=exc.status_code, headers=exc.headers)
 
     # ---- health and metadata --------------------------------------------------------------------------
 
@@ -169,6 +173,19 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
     @app.get("/metrics", tags=["metrics"], summary="Prometheus metrics")
     async def metrics() -> Response:
         return Response(await dataplane.render_metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- Triton extensions rnnserve does not serve: 501 with what to use instead ------------------------------
+
+    def refuse(extension: str):
+        async def unsupported_extension(request: Request) -> Response:
+            raise unsupported(extension, f"{request.method} {request.url.path}")
+        return unsupported_extension
+
+    for prefix, extension in REST_PREFIXES.items():
+        for path in (f"/v2/{prefix}", f"/v2/{prefix}/{{rest:path}}"):
+            app.add_api_route(path, refuse(extension), methods=["GET", "POST"], include_in_schema=False)
+    for path in ("/v2/models/{model}/trace/setting", "/v2/models/{model}/versions/{version}/trace/setting"):
+        app.add_api_route(path, refuse("trace"), methods=["GET", "POST"], include_in_schema=False)
 
     return InferFastPath(app, dataplane, max_request_bytes, gate, close=lambda: helper.close(wait=True))
 
