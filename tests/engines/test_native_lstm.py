@@ -99,3 +99,23 @@ def test_switches_and_float64_fall_back_to_numpy(monkeypatch):
 def test_extension_is_built_where_a_compiler_exists():
     """`pip install -e .` compiles the kernel when cc exists; a silent fallback would hide a 2-3x slowdown."""
     assert native.built(), "service/engines/reference/native/_kernels was not built; run `pip install -e .`"
+
+
+@needs_kernel
+@pytest.mark.parametrize("cell, proj", [("lstm", 0), ("lstm", 21), ("gru", 0)])
+@pytest.mark.parametrize("bidir", [False, True])
+def test_a_sequence_gives_the_same_bits_alone_and_in_any_batch(cell, proj, bidir):
+    # Rows are tiled a few at a time and the last tile takes the rest, so a sequence's tile size depends on the
+    # batch around it; the kernel sums in one order for every tile size, so batching never changes a result.
+    mod = torch_module(cell, 11, 37, 2, bidir, proj)
+    engine = create_engine(packed_from_torch(mod, cell), "cpu", native=True)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((17, 12, 11)).astype(np.float32)
+    lengths = rng.integers(1, 13, 17)
+    alone = [engine.forward(x[i:i + 1, :n], np.array([n])) for i, n in enumerate(lengths)]
+    for b in (2, 3, 7, 9, 17):  # tails of 1, 2 and more rows
+        out = engine.forward(x[:b], lengths[:b])
+        for i in range(b):
+            n = lengths[i]
+            assert np.array_equal(out.output[i, :n], alone[i].output[0]), (b, i)
+            assert np.array_equal(out.h_n[i], alone[i].h_n[0]), (b, i)

@@ -158,18 +158,23 @@ KERNEL __mmask16 unit_mask(int left) {
 
 /* dst[r, :] = c0[r, :] + A[r, :K] @ W for r < mr, over a panel of nq x 16 columns; c0 NULL
  * means zeros, ldc0 = 0 repeats one row. A function of its own (not inlined into the cell
- * epilogues) so the accumulators own the register file. */
+ * epilogues) so the accumulators own the register file.
+ *
+ * Every row sums in one order whatever mr is: (c0 + the first half of K + an odd last k)
+ * + (the second half of K). A row's tile size depends on the batch around it (rows are
+ * tiled mr at a time, the last tile takes the rest), so a fixed order is what keeps a
+ * sequence's result the same alone and in any batch, bit for bit. */
 KERNEL void gemm_rows(int nq, int mr, int K, const float *A, long lda, const float *W,
                       const float *c0, long ldc0, float *dst, long ldd) {
     __m512 acc[MAX_MR][MAX_NQ];
+    int half = K / 2;
+    long pw = 16L * nq;
     for (int i = 0; i < mr; i++)
         for (int q = 0; q < nq; q++) acc[i][q] = c0 ? _mm512_loadu_ps(c0 + i * ldc0 + 16 * q) : _mm512_setzero_ps();
     if (mr <= 2) {
         /* Few rows leave too few independent FMA chains to hide the FMA latency: run the
-         * two halves of K on separate accumulators (2x faster at batch 1). */
+         * two halves of K on separate accumulators at once (2x faster at batch 1). */
         __m512 acc2[MAX_MR][MAX_NQ];
-        int half = K / 2;
-        long pw = 16L * nq;
         for (int i = 0; i < mr; i++)
             for (int q = 0; q < nq; q++) acc2[i][q] = _mm512_setzero_ps();
         for (int k = 0; k < half; k++) {
@@ -180,7 +185,18 @@ KERNEL void gemm_rows(int nq, int mr, int K, const float *A, long lda, const flo
         for (int i = 0; i < mr; i++)
             for (int q = 0; q < nq; q++) acc[i][q] = _mm512_add_ps(acc[i][q], acc2[i][q]);
     } else {
-        gemm_tile(nq, mr, K, A, lda, W, acc);
+        /* More rows hide the latency themselves, and two sets of accumulators would not fit
+         * the register file: the same sums one half after the other, the first parked in dst. */
+        gemm_tile(nq, mr, half, A, lda, W, acc);
+        if (K % 2) gemm_tile(nq, mr, 1, A + K - 1, lda, W + (K - 1) * pw, acc);
+        for (int i = 0; i < mr; i++)
+            for (int q = 0; q < nq; q++) {
+                _mm512_storeu_ps(dst + i * ldd + 16 * q, acc[i][q]);
+                acc[i][q] = _mm512_setzero_ps();
+            }
+        gemm_tile(nq, mr, half, A + half, lda, W + half * pw, acc);
+        for (int i = 0; i < mr; i++)
+            for (int q = 0; q < nq; q++) acc[i][q] = _mm512_add_ps(_mm512_loadu_ps(dst + i * ldd + 16 * q), acc[i][q]);
     }
     for (int i = 0; i < mr; i++)
         for (int q = 0; q < nq; q++) _mm512_storeu_ps(dst + i * ldd + 16 * q, acc[i][q]);
