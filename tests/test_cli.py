@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
 
@@ -84,6 +85,51 @@ def test_cli_errors_are_one_line_and_exit_2(torch_file, tmp_path):
     res = rnnserve("inspect", tmp_path / "nothing")
     assert res.returncode == 2 and "no model at" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def _corrupt_header(path, edit) -> None:
+    """Rewrite the safetensors header of ``path`` as ``edit(header) -> bytes``, the length prefix matching."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    head = edit(json.loads(data[8:8 + n]))
+    path.write_bytes(struct.pack("<Q", len(head)) + head + data[8 + n:])
+
+
+def _entry(key, value):
+    def edit(header):
+        header["block0.weights"][key] = value
+        return json.dumps(header).encode()
+    return edit
+
+
+@pytest.mark.parametrize("edit,problem", [
+    (_entry("dtype", 5), "tensor 'block0.weights' has dtype 5"),
+    (_entry("shape", "x"), "tensor 'block0.weights' has shape \"x\""),
+    (_entry("data_offsets", [10, 2]), "tensor 'block0.weights' has data_offsets [10, 2]"),
+    (_entry("data_offsets", [0, 10**9]), "tensor 'block0.weights' has data_offsets [0, 1000000000], past the end"),
+    (lambda h: json.dumps({**h, "__metadata__": ["x"]}).encode(), "__metadata__ is a JSON array"),
+    (lambda h: b"[1, 2]", "corrupt header: a JSON array where an object of tensors belongs"),
+    (lambda h: b'{"\xff": 1}', "corrupt header: not UTF-8 text"),
+])
+def test_inspect_refuses_a_corrupt_header_without_a_traceback(torch_file, tmp_path, edit, problem):
+    res = rnnserve("convert", torch_file[0], "--name", "m", "--repository", tmp_path, "--no-verify")
+    assert res.returncode == 0, res.stderr
+    path = tmp_path / "m" / "1" / "model.safetensors"
+    _corrupt_header(path, edit)
+    res = rnnserve("inspect", tmp_path / "m")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.startswith(f"error: model file {path}") and problem in res.stderr
+    assert res.stderr.rstrip().endswith("convert the model again (rnnserve convert)") and res.stdout == ""
+
+
+def test_inspect_refuses_a_header_length_past_the_file(torch_file, tmp_path):
+    rnnserve("convert", torch_file[0], "--name", "m", "--repository", tmp_path, "--no-verify")
+    path = tmp_path / "m" / "1" / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(struct.pack("<Q", len(data)) + data[8:])
+    res = rnnserve("inspect", tmp_path / "m", "--json")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert f"error: model file {path} has a corrupt header: its length prefix says {len(data):,} bytes" in res.stderr
 
 
 def test_serve_with_a_missing_repository_exits_2_before_listening(tmp_path):

@@ -7,15 +7,39 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool, Tag, ValidationError
+from pydantic_core import PydanticCustomError
 
 from ..errors import InvalidInput
 
 
+def _refuse_bool(expected: str) -> BeforeValidator:
+    """A validator refusing JSON ``true``/``false`` where ``expected`` (a number) belongs.
+
+    bool is an int to Python and to pydantic's lax mode, so ``"max_batch_size": true`` was served as 1.
+    """
+    def check(value: object) -> object:
+        if isinstance(value, bool):
+            raise PydanticCustomError("bool_not_number", "{value} is a boolean; expected {expected}",
+                                      {"value": json.dumps(value), "expected": expected})
+        return value
+
+    return BeforeValidator(check)
+
+
+Integer = Annotated[int, _refuse_bool("an integer")]
+Number = Annotated[float, _refuse_bool("a number")]
 # version numbers (>= 1), at least one: an empty list loaded "successfully" into a model with no version
-VersionList = Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1)]
+VersionList = Annotated[list[Annotated[Integer, Field(ge=1)]], Field(min_length=1)]
+# Tagged so an error names one branch ("version_policy.list.0: ..."), not both in pydantic's internal spelling.
+VersionPolicy = Annotated[
+    Union[Annotated[Literal["latest", "all"], Tag("name")], Annotated[VersionList, Tag("list")]],
+    Discriminator(lambda v: "list" if isinstance(v, list) else "name" if isinstance(v, str) else None,
+                  custom_error_type="version_policy",
+                  custom_error_message="expected 'latest', 'all' or a list of version numbers"),
+]
 
 
 class ModelConfig(BaseModel):
@@ -23,18 +47,20 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_batch_size: int = Field(64, ge=1, le=65536, description="Most sequences the scheduler runs in one engine call.")
-    max_queue_delay_us: int = Field(
+    max_batch_size: Integer = Field(
+        64, ge=1, le=65536, description="Most sequences the scheduler runs in one engine call."
+    )
+    max_queue_delay_us: Integer = Field(
         0, ge=0, le=10_000_000,
         description="How long the oldest waiting request may wait for others to batch with, in µs. 0 (the default, "
                     "as in Triton) runs a batch as soon as the engine is free; under load, requests that arrive "
                     "while a batch computes form the next batch, so batching needs no added latency.",
     )
-    max_queue_size: int = Field(
+    max_queue_size: Integer = Field(
         1024, ge=1, description="Requests waiting at most; more are refused at once with UNAVAILABLE (503)."
     )
-    max_sequence_length: int = Field(100_000, ge=1, description="Longest T accepted per request.")
-    max_batch_memory_mb: int = Field(
+    max_sequence_length: Integer = Field(100_000, ge=1, description="Longest T accepted per request.")
+    max_batch_memory_mb: Integer = Field(
         0, ge=0, description="Working memory one engine call may use, in MiB (estimated from the model's layers: "
                              "rows x longest length x bytes per step; `rnnserve inspect` prints it). A request needing more alone is "
                              "refused with 413 / RESOURCE_EXHAUSTED; batches are formed within it. 0 (the default): "
@@ -43,20 +69,22 @@ class ModelConfig(BaseModel):
     precision: Literal["float32", "float16", "bfloat16"] = Field(
         "float32", description="Data type the engine computes in (GPU engine; the CPU engine computes in float32)."
     )
-    allow_tf32: bool = Field(False, description="Let the cuDNN engine use TF32 tensor cores for float32 models.")
-    cuda_graph_memory_mb: int = Field(
+    allow_tf32: StrictBool = Field(False, description="Let the cuDNN engine use TF32 tensor cores for float32 models.")
+    cuda_graph_memory_mb: Integer = Field(
         512, ge=0, description="Device memory the cuDNN engine may keep for CUDA graphs of repeated equal-length "
                                "calls (their input, output and state buffers), in MiB; 0 turns the graphs off.",
     )
-    version_policy: Literal["latest", "all"] | VersionList = Field(
+    version_policy: VersionPolicy = Field(
         "latest", description="Which versions to serve: 'latest', 'all' or a list of version numbers."
     )
-    max_streams: int = Field(1024, ge=1, description="Live stateful streams at most; more are refused with UNAVAILABLE.")
-    frontend_in_flight: int = Field(
+    max_streams: Integer = Field(
+        1024, ge=1, description="Live stateful streams at most; more are refused with UNAVAILABLE."
+    )
+    frontend_in_flight: Integer = Field(
         2, ge=1, le=64,
         description="Messages each front-end process keeps in the engine process for this model at once (with front-end processes); requests validated meanwhile wait and leave merged. 2 keeps a small model's engine thread fed with few messages; a larger, GPU-bound model batches more with 4-8 (see README).",
     )
-    stream_idle_timeout_s: float = Field(
+    stream_idle_timeout_s: Number = Field(
         60.0, gt=0, description="A stream with no chunk for this long is dropped with its state."
     )
 
@@ -68,7 +96,11 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         return ModelConfig()
     try:
         data = json.loads(path.read_text())
-    except ValueError as exc:
+    except OSError as exc:  # a folder by that name, no permission
+        raise InvalidInput(f"{path} cannot be read ({exc.strerror or exc}); make it a readable JSON file") from exc
+    except RecursionError:
+        raise InvalidInput(f"{path} nests too deep to be a config; it holds one JSON object of settings") from None
+    except ValueError as exc:  # UnicodeDecodeError too
         raise InvalidInput(f"{path} is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise InvalidInput(f"{path} must hold a JSON object of settings")

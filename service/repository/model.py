@@ -136,8 +136,11 @@ def load_model(path: str | Path, version: int | None = None) -> PackedModel:
     try:
         spec = RNNSpec.from_json(metadata["rnnserve.spec"])
         provenance = json.loads(metadata.get("rnnserve.provenance", "{}"))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise InvalidInput(f"{file}: corrupt spec metadata ({exc}); convert the model again") from exc
+    except (ValueError, KeyError, TypeError, RecursionError, InvalidInput) as exc:
+        reason = exc.message if isinstance(exc, InvalidInput) else exc
+        raise InvalidInput(f"{file}: corrupt spec metadata ({reason}); convert the model again") from exc
+    if not isinstance(provenance, dict):
+        raise InvalidInput(f"{file}: corrupt provenance metadata (not a JSON object); convert the model again")
     weights = []
     for k in range(len(spec.blocks)):
         key = f"block{k}.weights"
@@ -145,5 +148,9 @@ def load_model(path: str | Path, version: int | None = None) -> PackedModel:
             raise InvalidInput(f"{file} has no tensor '{key}'; convert the model again")
         weights.append(np.asarray(tensors.pop(key), dtype=np.float32))
     extras = {n: np.asarray(v, dtype=np.float32) for n, v in tensors.items()}
-    return PackedModel(spec, weights, extras, provenance, metadata.get("rnnserve.dtype", "float32"),
-                       load_config(model_dir), model_dir.name, version)
+    config = load_config(model_dir)
+    try:
+        return PackedModel(spec, weights, extras, provenance, metadata.get("rnnserve.dtype", "float32"),
+                           config, model_dir.name, version)
+    except InvalidInput as exc:  # a tensor's shape disagrees with the spec: say which file
+        raise InvalidInput(f"{file}: {exc.message}; convert the model again") from exc

@@ -9,8 +9,10 @@ Files written here open with the official ``safetensors`` library.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -18,7 +20,9 @@ from ..errors import InvalidInput
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32}
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+_ITEMSIZE = {"BF16": 2, **{k: np.dtype(v).itemsize for k, v in _DTYPES.items()}}
 _MAX_HEADER = 100 * 1024 * 1024
+_FIX = "convert the model again (rnnserve convert)"
 
 
 def float32_to_bfloat16_bits(arr: np.ndarray) -> np.ndarray:
@@ -60,36 +64,144 @@ def save_tensors(path: str | Path, tensors: dict[str, np.ndarray], metadata: dic
 
 
 def load_tensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str], dict[str, str]]:
-    """Read a safetensors file: (tensors as float32/native arrays, metadata, stored dtype per tensor)."""
+    """Read a safetensors file: (tensors as float32/native arrays, metadata, stored dtype per tensor).
+
+    The header is checked against the format before any tensor is read, so a hand-edited or corrupt file is
+    refused with :class:`InvalidInput` naming the file, the tensor and what is wrong, never a TypeError.
+    """
     path = Path(path)
-    data = path.read_bytes()
     where = f"model file {path}"
-    if len(data) < 8:
-        raise InvalidInput(f"{where} is truncated ({len(data)} bytes); convert the model again")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > _MAX_HEADER or 8 + n > len(data):
-        raise InvalidInput(f"{where} has a corrupt header (length {n}); convert the model again")
     try:
-        header = json.loads(data[8:8 + n])
-    except ValueError as exc:
-        raise InvalidInput(f"{where} has a corrupt header ({exc}); convert the model again") from exc
-    metadata = header.pop("__metadata__", {}) or {}
-    body = memoryview(data)[8 + n:]
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InvalidInput(f"{where} cannot be read ({type(exc).__name__}: {exc.strerror or exc}); check its "
+                           f"permissions or {_FIX}") from None
+    header, body = _split(data, where)
+    metadata = _metadata(header.pop("__metadata__", None), where)
+    entries = [_entry(name, info, len(body), where) for name, info in header.items()]
+    _refuse_overlaps(entries, where)
     tensors: dict[str, np.ndarray] = {}
     stored: dict[str, str] = {}
-    for name, info in header.items():
-        start, end = info["data_offsets"]
-        if end > len(body) or start > end:
-            raise InvalidInput(f"{where}: tensor '{name}' runs past the end of the file (truncated?)")
-        raw = body[start:end]
-        shape = tuple(info["shape"])
-        if info["dtype"] == "BF16":
-            arr = bfloat16_bits_to_float32(np.frombuffer(raw, dtype="<u2")).reshape(shape)
-        elif info["dtype"] in _DTYPES:
-            arr = np.frombuffer(raw, dtype=np.dtype(_DTYPES[info["dtype"]]).newbyteorder("<")).reshape(shape)
-            arr = arr.astype(arr.dtype.newbyteorder("="))
-        else:
-            raise InvalidInput(f"{where}: tensor '{name}' has unsupported dtype {info['dtype']}")
-        tensors[name] = arr
-        stored[name] = info["dtype"]
+    for e in entries:
+        raw = body[e.start:e.end]
+        try:
+            if e.dtype == "BF16":
+                arr = bfloat16_bits_to_float32(np.frombuffer(raw, dtype="<u2")).reshape(e.shape)
+            else:
+                arr = np.frombuffer(raw, dtype=np.dtype(_DTYPES[e.dtype]).newbyteorder("<")).reshape(e.shape)
+                arr = arr.astype(arr.dtype.newbyteorder("="))
+        except ValueError as exc:  # an empty tensor's shape may still be past NumPy's limits: [0] * 65, [2**70, 0]
+            raise InvalidInput(f"{where}: tensor '{e.name}' has shape {_shown(list(e.shape))}, which NumPy cannot "
+                               f"hold ({exc}); {_FIX}") from None
+        tensors[e.name] = arr
+        stored[e.name] = e.dtype
     return tensors, metadata, stored
+
+
+class _Entry(NamedTuple):
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def _split(data: bytes, where: str) -> tuple[dict[str, Any], memoryview]:
+    """The header (a JSON object) and the data after it; InvalidInput when the prefix or header is corrupt."""
+    if len(data) < 8:
+        raise InvalidInput(f"{where} is truncated ({len(data)} bytes); {_FIX}")
+    (n,) = struct.unpack("<Q", data[:8])
+    if 8 + n > len(data):
+        raise InvalidInput(f"{where} has a corrupt header: its length prefix says {n:,} bytes but the file has "
+                           f"{len(data) - 8:,} after the prefix (truncated?); {_FIX}")
+    if n > _MAX_HEADER:
+        raise InvalidInput(f"{where} has a corrupt header: {n:,} bytes, more than the {_MAX_HEADER:,} allowed; {_FIX}")
+    try:
+        text = data[8:8 + n].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"{where} has a corrupt header: not UTF-8 text (byte {8 + exc.start} is "
+                           f"0x{data[8 + exc.start]:02x}); {_FIX}") from None
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidInput(f"{where} has a corrupt header (not JSON: {exc}); {_FIX}") from None
+    if not isinstance(header, dict):
+        raise InvalidInput(f"{where} has a corrupt header: a JSON {_kind(header)} where an object of tensors "
+                           f"belongs; {_FIX}")
+    return header, memoryview(data)[8 + n:]
+
+
+def _metadata(value: object, where: str) -> dict[str, str]:
+    """``__metadata__``: absent or null, or an object of strings (the format allows nothing else)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidInput(f"{where}: __metadata__ is a JSON {_kind(value)}, expected an object of strings; {_FIX}")
+    for key, text in value.items():
+        if not isinstance(text, str):
+            raise InvalidInput(f"{where}: __metadata__ entry '{key}' is {_shown(text)}, expected a string; {_FIX}")
+    return value
+
+
+def _entry(name: str, info: object, body_size: int, where: str) -> _Entry:
+    """One tensor's header entry, checked: a known dtype, a shape, offsets within the data that fit both."""
+    tensor = f"{where}: tensor '{name}'"
+    if not isinstance(info, dict):
+        raise InvalidInput(f"{tensor} is described by {_shown(info)}, expected an object with dtype, shape and "
+                           f"data_offsets; {_FIX}")
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in info:
+            raise InvalidInput(f"{tensor} has no '{key}'; {_FIX}")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str):
+        raise InvalidInput(f"{tensor} has dtype {_shown(dtype)}, expected a string such as \"F32\"; {_FIX}")
+    if dtype not in _ITEMSIZE:
+        raise InvalidInput(f"{tensor} has unsupported dtype {_shown(dtype)} (rnnserve reads "
+                           f"{', '.join(sorted(_ITEMSIZE))}); {_FIX}")
+    if not isinstance(shape, list) or not all(_whole(d) for d in shape):
+        raise InvalidInput(f"{tensor} has shape {_shown(shape)}, expected a list of whole numbers >= 0; {_FIX}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_whole(o) for o in offsets)
+            and offsets[0] <= offsets[1]):
+        raise InvalidInput(f"{tensor} has data_offsets {_shown(offsets)}, expected [begin, end] with "
+                           f"0 <= begin <= end; {_FIX}")
+    start, end = offsets
+    if end > body_size:
+        raise InvalidInput(f"{tensor} has data_offsets {_shown(offsets)}, past the end of the file's "
+                           f"{body_size:,} data bytes (truncated?); {_FIX}")
+    need = math.prod(shape) * _ITEMSIZE[dtype]
+    if end - start != need:
+        raise InvalidInput(f"{tensor} has {end - start:,} bytes at data_offsets {_shown(offsets)}, but dtype {dtype} "
+                           f"and shape {_shown(shape)} need {need:,}; {_FIX}")
+    return _Entry(name, dtype, tuple(shape), start, end)
+
+
+def _refuse_overlaps(entries: list[_Entry], where: str) -> None:
+    """Refuse tensors sharing bytes: the writer never does that, so the header was edited or is corrupt."""
+    spans = sorted((e for e in entries if e.end > e.start), key=lambda e: (e.start, e.end))
+    for a, b in zip(spans, spans[1:]):
+        if b.start < a.end:
+            raise InvalidInput(f"{where}: tensors '{a.name}' (bytes {a.start}-{a.end}) and '{b.name}' "
+                               f"(bytes {b.start}-{b.end}) overlap; {_FIX}")
+
+
+def _whole(value: object) -> bool:
+    # bool is an int to Python: `true` must not pass for 1
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _kind(value: object) -> str:
+    """The JSON type name of a parsed value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    return {dict: "object", list: "array", str: "string"}.get(type(value), "number")
+
+
+def _shown(value: object) -> str:
+    """``value`` as JSON (as the user sees it in the file), cut short when long."""
+    try:
+        text = json.dumps(value)
+    except (ValueError, RecursionError):
+        return f"a JSON {_kind(value)}"
+    return text if len(text) <= 60 else text[:57] + "..."

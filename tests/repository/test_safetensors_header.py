@@ -1,0 +1,189 @@
+"""A model file whose safetensors header is corrupt or hand-edited is refused with a message naming the file,
+the tensor, what is wrong and what to do; it was a TypeError, KeyError or AttributeError before."""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from service import load_model
+from service.errors import InvalidInput
+from service.packing import block_param_count
+from service.registry import ModelRegistry
+from service.repository import PackedModel
+from service.spec import BlockSpec, RNNSpec
+
+FIX = "convert the model again (rnnserve convert)"
+
+
+def _saved(repo: Path, name: str = "m") -> Path:
+    blocks = (BlockSpec("lstm", 3, 4), BlockSpec("gru", 4, 2))
+    rng = np.random.default_rng(0)
+    weights = [rng.standard_normal(block_param_count(b)).astype(np.float32) for b in blocks]
+    return PackedModel(RNNSpec(blocks), weights, {}, {"source": "x.pt", "format": "torch"}).save(repo, name, 1)
+
+
+def _header(path: Path) -> tuple[dict, bytes]:
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8:8 + n]), data[8 + n:]
+
+
+def _rewrite(path: Path, header: dict, body: bytes) -> None:
+    """Write ``header`` with a length prefix that matches it, then the data as it was."""
+    head = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(head)) + head + body)
+
+
+def _edit(path: Path, tensor: str, key: str, value: object) -> None:
+    header, body = _header(path)
+    header[tensor][key] = value
+    _rewrite(path, header, body)
+
+
+def _refused(path: Path, where: str = "model file ", fix: str = FIX) -> str:
+    with pytest.raises(InvalidInput) as err:
+        load_model(path.parent.parent)
+    assert err.value.status == "INVALID_ARGUMENT"
+    assert err.value.message.startswith(f"{where}{path}") and err.value.message.endswith(fix)
+    return err.value.message
+
+
+@pytest.mark.parametrize("key,value,problem", [
+    ("dtype", 5, "has dtype 5, expected a string such as \"F32\""),
+    ("dtype", "U8", "has unsupported dtype \"U8\" (rnnserve reads BF16, F16, F32, F64, I32, I64)"),
+    ("dtype", None, "has dtype null"),
+    ("shape", "x", "has shape \"x\", expected a list of whole numbers >= 0"),
+    ("shape", [-1], "has shape [-1], expected a list of whole numbers >= 0"),
+    ("shape", [True], "has shape [true], expected a list of whole numbers >= 0"),
+    ("shape", [2.5], "has shape [2.5]"),
+    ("shape", [7], "has 576 bytes at data_offsets [0, 576], but dtype F32 and shape [7] need 28"),
+    ("data_offsets", [10, 2], "has data_offsets [10, 2], expected [begin, end] with 0 <= begin <= end"),
+    ("data_offsets", [0], "has data_offsets [0], expected [begin, end]"),
+    ("data_offsets", "0-576", "has data_offsets \"0-576\", expected [begin, end]"),
+    ("data_offsets", [False, 576], "has data_offsets [false, 576], expected [begin, end]"),
+    ("data_offsets", [-4, 444], "has data_offsets [-4, 444], expected [begin, end]"),
+    ("data_offsets", [0, 10**9], "has data_offsets [0, 1000000000], past the end of the file's"),
+])
+def test_wrong_tensor_entries_are_refused(tmp_path, key, value, problem):
+    path = _saved(tmp_path)
+    _edit(path, "block0.weights", key, value)
+    message = _refused(path)
+    assert f"tensor 'block0.weights' {problem}" in message
+
+
+def test_an_entry_that_is_not_an_object_or_lacks_a_key_is_refused(tmp_path):
+    path = _saved(tmp_path)
+    header, body = _header(path)
+    _rewrite(path, {**header, "block1.weights": [1, 2]}, body)
+    assert "tensor 'block1.weights' is described by [1, 2], expected an object with dtype" in _refused(path)
+    del header["block1.weights"]["shape"]
+    _rewrite(path, header, body)
+    assert "tensor 'block1.weights' has no 'shape'" in _refused(path)
+
+
+def test_overlapping_tensors_are_refused(tmp_path):
+    path = _saved(tmp_path)
+    header, body = _header(path)
+    # block1 (GRU 4->2, 48 floats) moved onto block0's bytes: each entry alone is consistent
+    size = header["block1.weights"]["data_offsets"][1] - header["block1.weights"]["data_offsets"][0]
+    header["block1.weights"]["data_offsets"] = [8, 8 + size]
+    _rewrite(path, header, body)
+    message = _refused(path)
+    assert f"tensors 'block0.weights' (bytes 0-576) and 'block1.weights' (bytes 8-{8 + size}) overlap" in message
+
+
+@pytest.mark.parametrize("metadata,problem", [
+    ("x", "__metadata__ is a JSON string, expected an object of strings"),
+    ([1], "__metadata__ is a JSON array, expected an object of strings"),
+    ({"rnnserve.format_version": 1}, "__metadata__ entry 'rnnserve.format_version' is 1, expected a string"),
+    ({"rnnserve.spec": {"blocks": []}}, "__metadata__ entry 'rnnserve.spec' is {\"blocks\": []}, expected a string"),
+])
+def test_metadata_must_be_an_object_of_strings(tmp_path, metadata, problem):
+    path = _saved(tmp_path)
+    header, body = _header(path)
+    header["__metadata__"] = metadata
+    _rewrite(path, header, body)
+    assert problem in _refused(path)
+
+
+@pytest.mark.parametrize("head,problem", [
+    (b"[1, 2]", "has a corrupt header: a JSON array where an object of tensors belongs"),
+    (b"5", "has a corrupt header: a JSON number where an object of tensors belongs"),
+    (b'{"bl\xffock": 1}', "has a corrupt header: not UTF-8 text (byte 12 is 0xff)"),
+    (b"[" * 100_000, "has a corrupt header (not JSON: maximum recursion depth"),
+    (b"{\"a\": ", "has a corrupt header (not JSON: Expecting value"),
+])
+def test_a_header_that_is_no_json_object_is_refused(tmp_path, head, problem):
+    path = _saved(tmp_path)
+    _, body = _header(path)
+    path.write_bytes(struct.pack("<Q", len(head)) + head + body)
+    assert problem in _refused(path)
+
+
+def test_a_header_length_past_the_file_is_refused(tmp_path):
+    path = _saved(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(struct.pack("<Q", len(data)) + data[8:])
+    assert (f"has a corrupt header: its length prefix says {len(data):,} bytes but the file has {len(data) - 8:,} "
+            f"after the prefix (truncated?)") in _refused(path)
+    path.write_bytes(struct.pack("<Q", 2**64 - 1) + data[8:])
+    assert "its length prefix says 18,446,744,073,709,551,615 bytes" in _refused(path)
+
+
+def test_an_empty_tensor_numpy_cannot_shape_is_refused(tmp_path):
+    path = _saved(tmp_path)
+    header, body = _header(path)
+    header["block0.extra"] = {"dtype": "F32", "shape": [0] * 65, "data_offsets": [0, 0]}
+    _rewrite(path, header, body)
+    assert "tensor 'block0.extra' has shape [0, 0, 0, " in _refused(path)
+    header["block0.extra"]["shape"] = [2**70, 0]
+    _rewrite(path, header, body)
+    assert f"tensor 'block0.extra' has shape [{2**70}, 0], which NumPy cannot hold" in _refused(path)
+
+
+def test_a_file_that_cannot_be_read_is_refused(tmp_path):
+    path = _saved(tmp_path)
+    path.unlink()
+    path.mkdir()
+    assert "cannot be read (IsADirectoryError: Is a directory); check its permissions or" in _refused(path)
+
+
+def test_a_tensor_whose_shape_disagrees_with_the_spec_names_the_file(tmp_path):
+    path = _saved(tmp_path)
+    _edit(path, "block0.weights", "shape", [4, 36])
+    message = _refused(path, where="", fix="convert the model again")
+    assert message == f"{path}: block 0 buffer has shape (4, 36), its spec needs (144,); convert the model again"
+
+
+def test_the_writers_own_files_still_load_in_every_dtype(tmp_path):
+    for dtype in ("float32", "float16", "bfloat16"):
+        path = _saved(tmp_path / dtype)
+        model = load_model(path.parent.parent)
+        model.save(tmp_path / dtype, "again", 1, dtype=dtype)
+        assert load_model(tmp_path / dtype / "again").storage_dtype == dtype
+
+
+@pytest.mark.asyncio
+async def test_the_repository_index_shows_the_reason(tmp_path):
+    repo = tmp_path / "repo"
+    _saved(repo, "good")
+    shape = _saved(repo, "shape")
+    _edit(shape, "block0.weights", "shape", "x")  # was "TypeError: 'str' object cannot be interpreted as an integer"
+    listed = _saved(repo, "listed")
+    listed.write_bytes(struct.pack("<Q", 6) + b"[1, 2]")  # was "AttributeError: 'list' object has no attribute 'pop'"
+    registry = ModelRegistry(repo, device="cpu")
+    await registry.start()
+    try:
+        rows = {row["name"]: row for row in registry.index()}
+    finally:
+        await registry.stop()
+    assert rows["good"]["state"] == "READY"
+    assert rows["shape"]["state"] == rows["listed"]["state"] == "UNAVAILABLE"
+    assert rows["shape"]["reason"] == (f"failed to load: model file {shape}: tensor 'block0.weights' has shape \"x\", "
+                                       f"expected a list of whole numbers >= 0; {FIX}")
+    assert rows["listed"]["reason"] == (f"failed to load: model file {listed} has a corrupt header: a JSON array "
+                                        f"where an object of tensors belongs; {FIX}")
