@@ -9,7 +9,8 @@ serves gRPC side by side. The servers bind first and print one parseable line::
 then models load in the background: the server is live at once and ready when
 every loadable model is. SIGTERM or SIGINT starts a drain: readiness turns false,
 both transports stop accepting and finish in-flight requests (up to
-``--drain-timeout-s``), the schedulers run what still waits, and the process exits 0.
+``--drain-timeout-s``; requests still running then get 503 or UNAVAILABLE), the
+schedulers run what still waits, and the process exits 0.
 """
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ from .settings import ServeSettings
 from .transports.rest import create_rest_app
 
 log = logging.getLogger("rnnserve.app")
+# How long a stopping server waits for the requests cut off at the drain timeout to send their 503 (each is one
+# small write once its task runs; the bound only guards against a client that does not read).
+_CUT_OFF_ANSWER_S = 1.0
 
 
 def build_dataplane(settings: ServeSettings) -> DataPlane:
@@ -135,12 +139,24 @@ class Transports:
         return cls(http, http_task, http_port, grpc_server, grpc_phrase)
 
     async def drain(self, settings: ServeSettings) -> None:
-        """Stop accepting and let in-flight requests finish (up to --drain-timeout-s)."""
+        """Stop accepting and let in-flight requests finish (up to --drain-timeout-s).
+
+        Requests still running at the timeout are cut off with an answer a client can retry elsewhere:
+        REST 503 with the service's JSON error
+        (:meth:`~service.transports.rest.infer.InferFastPath.begin_drain`), gRPC UNAVAILABLE (grpc.aio
+        cancels the calls).
+        """
+        self.rest_app.begin_drain(settings.drain_timeout_s)
         self.http.should_exit = True
         waits = [self.http_task]
         if self.grpc_server is not None:
             waits.append(asyncio.create_task(self.grpc_server.stop(settings.drain_timeout_s)))
         await asyncio.gather(*waits, return_exceptions=True)
+        # uvicorn cancels the requests still running at the timeout and returns without waiting for them: give
+        # their tasks the moment they take to send their 503 before the process goes on to exit
+        cut_off = set(self.http.server_state.tasks)
+        if cut_off:
+            await asyncio.wait(cut_off, timeout=_CUT_OFF_ANSWER_S)
         await asyncio.to_thread(self.rest_app.close)
 
     def failed(self) -> BaseException | None:

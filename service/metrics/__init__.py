@@ -120,8 +120,15 @@ class ServerMetrics:
         self.device_memory.labels(device=device).set_function(read)
 
     def forget_model(self, model: str, version: str) -> None:
-        """Drop the gauges of an unloaded version (counters and histograms keep their history)."""
-        for gauge in (self.queue_depth, self.model_ready, self.active_streams):
+        """Mark an unloaded version not ready and drop its other gauges (counters and histograms keep their
+        history).
+
+        ``rnnserve_model_ready`` stays, at 0: an alert on ``rnnserve_model_ready == 0`` must see a version
+        that was unloaded or retired, and a series that vanished reads as "no data", not as 0. Queue depth
+        and live streams of a version that no longer serves say nothing, so they go.
+        """
+        self.model_ready.labels(model=model, version=version).set(0)
+        for gauge in (self.queue_depth, self.active_streams):
             with contextlib.suppress(KeyError):  # never set for this version
                 gauge.remove(model, version)
 

@@ -244,6 +244,10 @@ class ModelRegistry:
             previous = old.get(v)
             if sv.state == ModelState.READY or previous is None or previous.state != ModelState.READY:
                 entry.versions[v] = sv
+            if self.metrics is not None and entry.versions[v].state != ModelState.READY:
+                # failed with no earlier copy serving: 0, not absent, so an alert on rnnserve_model_ready == 0
+                # sees it (and with --engines N, one process that failed makes the merged series 0)
+                self.metrics.model_ready.labels(model=entry.name, version=sv.label).set(0)
         loaded = any(sv.state == ModelState.READY for sv in fresh.values())
         for v, previous in old.items():
             if v not in fresh:
@@ -325,7 +329,8 @@ class ModelRegistry:
             entry.state, entry.reason = ModelState.UNAVAILABLE, "unloaded"
 
     async def _retire(self, sv: ServedVersion, drain: bool, forget: bool = True) -> None:
-        """Stop serving ``sv``; ``forget``: drop its gauges too (not when a reload's new copy now owns them)."""
+        """Stop serving ``sv``; ``forget``: set it not ready and drop its other gauges (not when a reload's new
+        copy now owns them)."""
         was_serving = sv.scheduler is not None
         sv.state = ModelState.UNLOADING if was_serving else sv.state
         if sv.scheduler is not None:

@@ -97,7 +97,8 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     try:
         data = json.loads(path.read_text())
     except OSError as exc:  # a folder by that name, no permission
-        raise InvalidInput(f"{path} cannot be read ({exc.strerror or exc}); make it a readable JSON file") from exc
+        raise InvalidInput(f"{path} cannot be read ({type(exc).__name__}: {exc.strerror or exc}); make it a readable "
+                           "JSON file") from exc
     except RecursionError:
         raise InvalidInput(f"{path} nests too deep to be a config; it holds one JSON object of settings") from None
     except ValueError as exc:  # UnicodeDecodeError too

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as tg
 import tritonclient.http as th
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from service import create_engine
@@ -166,6 +167,28 @@ def test_concurrent_requests_coalesced_by_front_ends_equal_their_single_answers(
     if os.path.isdir("/dev/shm"):
         maps = Path(f"/proc/{proc.pid}/maps").read_text()
         assert len(set(re.findall(r"/dev/shm/(rnnserve-\S+)", maps))) == 2  # both front-ends', files removed
+
+
+def _gru_gauges(http: str) -> dict[str, float]:
+    """gru_bi version 1's per-version gauges in the exposition a front-end serves (every engine process's, merged)."""
+    text = urllib.request.urlopen(f"http://{http}/metrics", timeout=10).read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.labels.get("model") == "gru_bi" and s.labels.get("version") == "1"
+            and s.name in ("rnnserve_model_ready", "rnnserve_queue_depth", "rnnserve_model_engine")}
+
+
+def test_an_unloaded_model_reads_not_ready_in_the_merged_metrics(frontends_server):
+    """rnnserve_model_ready stays at 0 for an unloaded version in every engine process, so the front-ends' merged
+    exposition shows 0 too (not a missing series), and 1 once the model is loaded again."""
+    _, _, http, _ = frontends_server
+    with th.InferenceServerClient(http) as hc:
+        for _ in range(2):
+            hc.unload_model("gru_bi")
+            assert _gru_gauges(http) == {"rnnserve_model_ready": 0}
+            hc.load_model("gru_bi")
+            assert _gru_gauges(http) == {"rnnserve_model_ready": 1, "rnnserve_queue_depth": 0,
+                                         "rnnserve_model_engine": 1}
+            assert hc.is_model_ready("gru_bi")
 
 
 def test_sigterm_stops_every_process(frontends_server):

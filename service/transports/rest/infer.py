@@ -11,6 +11,10 @@ body limit) wraps ``send`` and ``receive`` again, which cost a front-end process
 per request than the handler (in-process, stub dataplane: ~46 µs per request inside
 the stack, ~37 µs outside). The FastAPI route stays declared (it documents the endpoint in
 /docs) and calls the same handler.
+
+Being outermost, it also answers the requests uvicorn cuts off when the server stops: past
+``--drain-timeout-s`` uvicorn cancels the requests still running, and left to itself it
+answered them with a plain-text "Internal Server Error" 500.
 """
 from __future__ import annotations
 
@@ -84,6 +88,7 @@ class InferFastPath:
         self.max_request_bytes = max_request_bytes
         self.gate = gate
         self._close = close
+        self._cut_off: Unavailable | None = None  # set by begin_drain: what a request cancelled from then gets
 
     def close(self) -> None:
         """Stop what the app started besides serving (its JSON helper process) and wait until it has; call
@@ -94,16 +99,57 @@ class InferFastPath:
         """
         self._close()
 
+    def begin_drain(self, drain_timeout_s: float) -> None:
+        """The server is stopping: a request cancelled from now on was cut off at the end of the drain (uvicorn
+        cancels what still runs then) and gets 503 with the service's JSON error, so that the client retries it
+        on another replica instead of reading uvicorn's plain-text 500 as a server fault."""
+        self._cut_off = Unavailable(
+            f"the server is shutting down and this request did not finish within its drain timeout "
+            f"({drain_timeout_s:g}s, --drain-timeout-s); retry it on another replica")
+
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         match = None
         if scope["type"] == "http" and scope["method"] == "POST":
             match = INFER_PATH.fullmatch(scope["path"])
         if match is None:
-            await self.app(scope, receive, send)
+            if scope["type"] == "http":
+                await self._other_route(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
             return
         try:
             response = await infer_response(self.dataplane, Request(scope, receive), match["model"],
                                             match["version"] or "", self.max_request_bytes, self.gate)
         except RNNServeError as exc:
             response = error_response(exc)
+        except asyncio.CancelledError:
+            if self._cut_off is None:  # not the drain's: not ours to answer
+                raise
+            response = self._cut_off_response()
         await response(scope, receive, send)
+
+    async def _other_route(self, scope: dict, receive: Any, send: Any) -> None:
+        """The FastAPI app's answer, or the drain's 503 when the request is cut off before its answer began."""
+        started = False
+
+        async def tracked(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            # half an answer cannot become another one (uvicorn closes the connection instead)
+            if started or self._cut_off is None:
+                raise
+            await self._cut_off_response()(scope, receive, send)
+
+    def _cut_off_response(self) -> Response:
+        """The drain's 503, for a request of this task cancelled once :meth:`begin_drain` was called."""
+        # Answered instead of cancelled: uvicorn cancelled this task and does not wait for it, and nothing else
+        # in it expects the cancellation (Task.uncancel keeps asyncio's count of pending cancels right).
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        return error_response(self._cut_off)

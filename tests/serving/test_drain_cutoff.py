@@ -1,0 +1,81 @@
+"""SIGTERM with requests that cannot finish within --drain-timeout-s: they are cut off with an answer a client
+can retry on another replica (REST 503 with the service's JSON error, gRPC UNAVAILABLE), not uvicorn's plain-text
+500, and the server still exits 0. A real `rnnserve serve` process, in both layouts."""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as tg
+from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.utils import InferenceServerException
+
+from serving_support import LSTM, build_repository, make_model, start_server, stop_server, write_config
+
+pytestmark = pytest.mark.slow
+HELD = ("lstm", "gru_bi", "lstm_predict")  # one held request each: REST infer, gRPC infer, REST predict
+
+
+def _queued(http_url: str) -> dict[str, float]:
+    text = httpx.get(f"{http_url}/metrics", timeout=10).text
+    return {s.labels["model"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "rnnserve_queue_depth"}
+
+
+@pytest.mark.parametrize("layout", [(), ("--frontends", "2")], ids=["one-process", "front-ends"])
+def test_requests_cut_off_by_the_drain_timeout_get_503_json_and_unavailable(tmp_path, layout):
+    repo = build_repository(tmp_path / "models")
+    make_model(*LSTM, seed=3).save(repo, "lstm_predict", 1)
+    for name in HELD:
+        # a lone request waits the whole 10 s for a fuller batch: still queued when the 0.5 s drain ends
+        write_config(repo, name, max_batch_size=8, max_queue_delay_us=10_000_000)
+    proc, http_url, grpc_url = start_server(repo, "--drain-timeout-s", "0.5", *layout)
+    x = np.zeros((1, 3, 4), np.float32)
+    answers: dict[str, Any] = {}
+
+    def rest_infer() -> None:
+        body = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 3, 4], "data": x.ravel().tolist()}]}
+        answers["infer"] = httpx.post(f"{http_url}/v2/models/lstm/infer", json=body, timeout=30)
+
+    def rest_predict() -> None:
+        answers["predict"] = httpx.post(f"{http_url}/v1/models/lstm_predict:predict",
+                                        json={"instances": [x[0].tolist()]}, timeout=30)
+
+    def grpc_infer() -> None:
+        inp = tg.InferInput("input", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        with tg.InferenceServerClient(grpc_url.split("://")[1]) as client:
+            try:
+                answers["grpc"] = client.infer("gru_bi", [inp], client_timeout=30)
+            except InferenceServerException as exc:
+                answers["grpc"] = exc
+
+    threads = [threading.Thread(target=f) for f in (rest_infer, grpc_infer, rest_predict)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while not all(_queued(http_url).get(name, 0) >= 1 for name in HELD):
+            assert time.monotonic() < deadline, f"the requests did not queue: {_queued(http_url)}"
+            time.sleep(0.05)
+        start = time.monotonic()
+        rc = stop_server(proc, timeout=30)
+        stopped = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for t in threads:
+            t.join(30)
+    assert rc == 0
+    assert stopped < 8, f"the server took {stopped:.1f}s to stop; the drain timeout is 0.5s"
+    for route in ("infer", "predict"):
+        r = answers[route]
+        assert r.status_code == 503 and r.headers["content-type"] == "application/json", (route, r.text)
+        assert "the server is shutting down" in r.json()["error"] and "retry it on another replica" in r.json()["error"]
+    assert isinstance(answers["grpc"], InferenceServerException), answers["grpc"]
+    # grpc.aio cancels the calls left at the grace period with UNAVAILABLE (its own message: "Cancelling all calls")
+    assert answers["grpc"].status() == "StatusCode.UNAVAILABLE", answers["grpc"]

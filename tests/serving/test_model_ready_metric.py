@@ -1,0 +1,87 @@
+"""``rnnserve_model_ready`` through a version's life (load, unload, reload, retire, failed load), read from the
+REST app's /metrics as Prometheus parses it.
+
+A version that stops serving keeps its series at 0: an alert on ``rnnserve_model_ready == 0`` must fire for
+it, and a series that disappears reads as "no data", which such an alert never sees.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from serving_support import LSTM, make_model, rest_client, write_config
+
+pytestmark = pytest.mark.asyncio
+GAUGES = ("rnnserve_model_ready", "rnnserve_queue_depth", "rnnserve_model_engine", "rnnserve_active_streams")
+
+
+def _body(x: np.ndarray, **parameters) -> dict:
+    body = {"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}]}
+    if parameters:
+        body["parameters"] = parameters
+    return body
+
+
+async def _gauges(client, model: str) -> dict[tuple[str, str], float]:
+    """(gauge, version) -> value of ``model``'s per-version gauges in the exposition."""
+    text = (await client.get("/metrics")).text
+    return {(s.name, s.labels["version"]): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name in GAUGES and s.labels.get("model") == model}
+
+
+async def test_unload_reads_0_and_load_reads_1_again_however_often(repo):
+    x = np.ones((1, 3, 4), np.float32)
+    async with rest_client(repo) as (client, _):
+        for _ in range(3):
+            # a live stream at unload: its gauge goes with the version, and nothing trips over it later
+            start = await client.post("/v2/models/lstm/infer", json=_body(x, sequence_id=7, sequence_start=True))
+            assert start.status_code == 200
+            assert (await _gauges(client, "lstm"))[("rnnserve_active_streams", "1")] == 1
+            assert (await client.post("/v2/repository/models/lstm/unload")).status_code == 200
+            assert await _gauges(client, "lstm") == {("rnnserve_model_ready", "1"): 0}
+            r = await client.post("/v2/models/lstm/infer", json=_body(x))
+            assert r.status_code == 503 and "not ready" in r.json()["error"]
+
+            assert (await client.post("/v2/repository/models/lstm/load")).status_code == 200
+            assert (await client.post("/v2/models/lstm/infer", json=_body(x))).status_code == 200
+            assert (await client.post("/v2/repository/models/lstm/load")).status_code == 200  # a reload
+            assert (await client.post("/v2/models/lstm/infer", json=_body(x))).status_code == 200
+            assert await _gauges(client, "lstm") == {
+                ("rnnserve_model_ready", "1"): 1, ("rnnserve_queue_depth", "1"): 0,
+                ("rnnserve_model_engine", "1"): 1, ("rnnserve_active_streams", "1"): 0}
+        assert (await _gauges(client, "gru_bi"))[("rnnserve_model_ready", "1")] == 1  # the other model untouched
+
+
+async def test_a_version_a_reload_retires_reads_0(repo):
+    async with rest_client(repo) as (client, _):
+        make_model(*LSTM, seed=12).save(repo, "lstm", 2)
+        assert (await client.post("/v2/repository/models/lstm/load")).status_code == 200  # latest: 2 replaces 1
+        gauges = await _gauges(client, "lstm")
+        assert gauges[("rnnserve_model_ready", "1")] == 0 and gauges[("rnnserve_model_ready", "2")] == 1
+        assert ("rnnserve_queue_depth", "1") not in gauges and ("rnnserve_model_engine", "1") not in gauges
+        write_config(repo, "lstm", version_policy=[1])  # and back
+        assert (await client.post("/v2/repository/models/lstm/load")).status_code == 200
+        gauges = await _gauges(client, "lstm")
+        assert gauges[("rnnserve_model_ready", "1")] == 1 and gauges[("rnnserve_model_ready", "2")] == 0
+
+
+async def test_a_failed_load_reads_0_and_a_failed_reload_of_a_serving_version_keeps_1(repo):
+    (repo / "broken" / "1").mkdir(parents=True)
+    (repo / "broken" / "1" / "model.safetensors").write_bytes(b"\x01\x00")
+    async with rest_client(repo) as (client, _):
+        # failed at startup: a series at 0, so that the alert sees a model that never came up
+        assert await _gauges(client, "broken") == {("rnnserve_model_ready", "1"): 0}
+        # a reload whose new copy fails leaves the serving copy serving, and ready
+        make_model(*LSTM, seed=12).save(repo, "lstm", 2)
+        write_config(repo, "lstm", version_policy=[1, 2])
+        assert (await client.post("/v2/repository/models/lstm/load")).status_code == 200
+        (repo / "lstm" / "2" / "model.safetensors").write_bytes(b"\x01\x00")
+        assert (await client.post("/v2/repository/models/lstm/load")).status_code == 400
+        gauges = await _gauges(client, "lstm")
+        assert gauges[("rnnserve_model_ready", "1")] == 1 and gauges[("rnnserve_model_ready", "2")] == 1
+        # unloaded, then loaded from the broken file: not ready
+        assert (await client.post("/v2/repository/models/lstm/unload")).status_code == 200
+        assert (await client.post("/v2/repository/models/lstm/load")).status_code == 400
+        gauges = await _gauges(client, "lstm")
+        assert gauges[("rnnserve_model_ready", "1")] == 1 and gauges[("rnnserve_model_ready", "2")] == 0
