@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import sys
 from typing import Any, Callable, Iterator
 
@@ -33,6 +34,10 @@ from .ports import bind_listener
 from .registry import DEFAULTED_FIELDS, ModelRegistry
 from .settings import ServeSettings
 from .transports.rest import create_rest_app
+from .transports.rest.balanced_accept import BalancedAcceptor, ConnectionTable
+
+# a listening socket shared by the front-end processes, their connection table, and one's slot in it
+SharedHTTP = tuple[socket.socket, ConnectionTable, int]
 
 log = logging.getLogger("rnnserve.app")
 # How long a stopping server waits for the requests cut off at the drain timeout to send their 503 (each is one
@@ -68,6 +73,11 @@ class _UvicornServer(uvicorn.Server):
     def capture_signals(self) -> Iterator[None]:
         yield
 
+    def protocol_factory(self) -> asyncio.Protocol:
+        """uvicorn's protocol for one connection accepted elsewhere (as its own listeners make them)."""
+        return self.config.http_protocol_class(config=self.config, server_state=self.server_state,
+                                               app_state=self.lifespan.state)
+
 
 def announce(line: str) -> None:
     """Print ``line`` (the ports line that scripts and tests read) in one write.
@@ -98,15 +108,24 @@ class Transports:
     """REST and gRPC servers over one dataplane, started and drained together."""
 
     def __init__(self, http: _UvicornServer, http_task: asyncio.Task, http_port: int, grpc_server: Any,
-                 grpc_phrase: str) -> None:
+                 grpc_phrase: str, acceptor: BalancedAcceptor | None = None) -> None:
         self.http, self.http_task, self.http_port = http, http_task, http_port
         self.rest_app = http.config.app
         self.grpc_server, self.grpc_phrase = grpc_server, grpc_phrase
+        self.acceptor = acceptor
 
     @classmethod
-    async def start(cls, dataplane: Any, settings: ServeSettings, reuse_port: bool = False) -> "Transports":
-        """Bind and start both servers (``reuse_port``: share the ports with sibling front-end processes)."""
-        sock = bind_listener(settings.host, settings.http_port, reuse_port, flag="--http-port")
+    async def start(cls, dataplane: Any, settings: ServeSettings, reuse_port: bool = False,
+                    http_share: SharedHTTP | None = None) -> "Transports":
+        """Bind and start both servers (``reuse_port``: share the ports with sibling front-end processes).
+
+        ``http_share``: (listening socket, connection table, this front-end's slot): accept HTTP connections
+        from a socket shared with the sibling front-ends, evenly (see :mod:`.transports.rest.balanced_accept`).
+        """
+        if http_share is not None:
+            sock = http_share[0]
+        else:
+            sock = bind_listener(settings.host, settings.http_port, reuse_port, flag="--http-port")
         http_port = sock.getsockname()[1]
         try:
             # bound before HTTP serves anything, so that a taken gRPC port fails the start at once
@@ -121,7 +140,7 @@ class Transports:
                                 log_level=settings.log_level, access_log=settings.log_level == "debug",
                                 timeout_graceful_shutdown=settings.drain_timeout_s)
         http = _UvicornServer(config)
-        http_task = asyncio.create_task(http.serve(sockets=[sock]), name="http")
+        http_task = asyncio.create_task(http.serve(sockets=[] if http_share else [sock]), name="http")
         while not http.started and not http_task.done():
             await asyncio.sleep(0.01)
         if http_task.done():
@@ -136,7 +155,11 @@ class Transports:
             http.should_exit = True
             await http_task
             raise RNNServeError(f"the gRPC server could not start: {exc}") from exc
-        return cls(http, http_task, http_port, grpc_server, grpc_phrase)
+        acceptor = None
+        if http_share is not None:
+            acceptor = BalancedAcceptor(sock, http_share[1], http_share[2], http.protocol_factory)
+            acceptor.start()
+        return cls(http, http_task, http_port, grpc_server, grpc_phrase, acceptor)
 
     async def drain(self, settings: ServeSettings) -> None:
         """Stop accepting and let in-flight requests finish (up to --drain-timeout-s).
@@ -147,6 +170,8 @@ class Transports:
         cancels the calls).
         """
         self.rest_app.begin_drain(settings.drain_timeout_s)
+        if self.acceptor is not None:
+            self.acceptor.close()
         self.http.should_exit = True
         waits = [self.http_task]
         if self.grpc_server is not None:

@@ -6,8 +6,10 @@ metrics) and serves it on a Unix socket (:mod:`service.dataplane.remote`); with
 (:mod:`service.engine_processes`). Each front-end process runs the same REST and gRPC
 transports as the single-process server over a RemoteDataPlane (or, with several
 engine processes, a :class:`~service.dataplane.shards.ShardedDataPlane` over one per
-engine process), with the ports shared through SO_REUSEPORT, so the kernel spreads
-connections over the front-ends. The printed start line and SIGTERM handling are the
+engine process). They accept HTTP connections from one listening socket, the front-end
+holding the fewest taking the next (:mod:`service.transports.rest.balanced_accept`; or, with
+``--http-balance kernel``, each listens with SO_REUSEPORT and the kernel hashes connections to
+them), and share the gRPC port through SO_REUSEPORT. The printed start line and SIGTERM handling are the
 single-process ones: on SIGTERM the front-ends drain first (their requests still
 reach the engines), then the engine processes run what waits and exit 0.
 """
@@ -22,31 +24,34 @@ import tempfile
 from typing import Any
 
 from . import eventloop
-from .app import Transports, announce, install_stop_handlers, remove_stop_handlers
+from .app import SharedHTTP, Transports, announce, install_stop_handlers, remove_stop_handlers
 from .children import die_with_parent, run_child, start_children, stop_children, watch_children
 from .dataplane.remote import RemoteDataPlane
 from .dataplane.shards import ShardedDataPlane
 from .engine_processes import EngineHost, engine_socket, run_engine_process
 from .heap import freeze_heap
-from .ports import PortClaim, claim_port
+from .ports import PortClaim, bind_listener, claim_port
 from .settings import ServeSettings
+from .transports.rest.balanced_accept import ConnectionTable, shared_listener
 
 log = logging.getLogger("rnnserve.frontends")
 
 
-def run_frontend(settings: dict[str, Any], socket_paths: list[str], started: Any) -> None:
+def run_frontend(settings: dict[str, Any], socket_paths: list[str], http_share: SharedHTTP | None,
+                 started: Any) -> None:
     """Entry point of one front-end process (spawned: it never touches CUDA)."""
-    run_child("frontend", settings, _frontend, socket_paths, started)
+    run_child("frontend", settings, _frontend, socket_paths, http_share, started)
 
 
-async def _frontend(settings: ServeSettings, socket_paths: list[str], started: Any) -> int:
+async def _frontend(settings: ServeSettings, socket_paths: list[str], http_share: SharedHTTP | None,
+                    started: Any) -> int:
     die_with_parent()
     stop = asyncio.Event()
     arena_bytes = (settings.frontend_shm_mb << 20) // len(socket_paths)  # one arena per engine process
     remotes = [RemoteDataPlane(path, on_lost=stop.set, arena_bytes=arena_bytes) for path in socket_paths]
     dataplane: RemoteDataPlane | ShardedDataPlane = remotes[0] if len(remotes) == 1 else ShardedDataPlane(remotes)
     await dataplane.connect()
-    transports = await Transports.start(dataplane, settings, reuse_port=True)
+    transports = await Transports.start(dataplane, settings, reuse_port=True, http_share=http_share)
     install_stop_handlers(stop)
     freeze_heap()
     eventloop.start_stall_watch()
@@ -66,7 +71,14 @@ async def serve_with_frontends(settings: ServeSettings, stop_event: asyncio.Even
     front-end processes until SIGTERM/SIGINT."""
     host_name = settings.host
     # held until the front-ends are gone, so that no other server joins their ports (see service.ports)
-    claims: list[PortClaim] = [claim_port(host_name, settings.http_port, flag="--http-port")]
+    http_listener = None
+    if settings.http_balance == "connections":
+        # one listening socket that every front-end accepts from (see transports.rest.balanced_accept); it holds
+        # the port itself, so no other server can join it
+        http_listener = shared_listener(bind_listener(host_name, settings.http_port, flag="--http-port"))
+        claims: list[PortClaim] = [PortClaim(http_listener.getsockname()[1], None)]
+    else:
+        claims = [claim_port(host_name, settings.http_port, flag="--http-port")]
     http_port = claims[0].port
     grpc_port = settings.grpc_port
     if grpc_port >= 0:
@@ -74,6 +86,8 @@ async def serve_with_frontends(settings: ServeSettings, stop_event: asyncio.Even
             claims.append(claim_port(host_name, grpc_port, avoid=http_port, flag="--grpc-port"))
         except BaseException:
             claims[0].close()
+            if http_listener is not None:
+                http_listener.close()
             raise
         grpc_port = claims[1].port
     child_settings = settings.model_dump(mode="json") | {"http_port": http_port, "grpc_port": grpc_port,
@@ -86,7 +100,10 @@ async def serve_with_frontends(settings: ServeSettings, stop_event: asyncio.Even
     started = ctx.Queue()
     engines = [ctx.Process(target=run_engine_process, args=(child_settings, path, started), name=f"engine-{k}")
                for k, path in enumerate(sockets[1:], start=1)]
-    frontends = [ctx.Process(target=run_frontend, args=(child_settings, sockets, started), name=f"frontend-{k}")
+    table = ConnectionTable(settings.frontends, ctx) if http_listener is not None else None
+    frontends = [ctx.Process(target=run_frontend, name=f"frontend-{k}",
+                             args=(child_settings, sockets, None if table is None else (http_listener, table, k),
+                                   started))
                  for k in range(settings.frontends)]
     stop = stop_event or asyncio.Event()
     install_stop_handlers(stop)
@@ -117,6 +134,8 @@ async def serve_with_frontends(settings: ServeSettings, stop_event: asyncio.Even
         shutil.rmtree(folder, ignore_errors=True)
         for claim in claims:
             claim.close()
+        if http_listener is not None:
+            http_listener.close()
     if dead:
         log.error("rnnserve: a child process exited unexpectedly: %s", ", ".join(dead))
         return 1

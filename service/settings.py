@@ -70,6 +70,13 @@ class ServeSettings(BaseSettings):
                     "that share the ports, validate requests and forward them to this one, which runs the engines, "
                     "batching and streams (one Python process serves ~2,000-4,000 requests/s).",
     )
+    http_balance: Literal["connections", "kernel"] = Field(
+        "connections",
+        description="How HTTP connections spread over the front-end processes (with --frontends): connections: "
+                    "the front-end holding the fewest accepts the next one, so kept-alive connections stay even; "
+                    "kernel: each front-end listens with SO_REUSEPORT and the kernel hashes connections to them "
+                    "(uneven while connections last). gRPC is always spread by the kernel.",
+    )
     engines: int = Field(
         1, ge=1, le=16,
         description="Engine processes (instances of every model, like Triton's instance_group count). N > 1 starts "
