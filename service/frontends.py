@@ -126,6 +126,10 @@ async def serve_with_frontends(settings: ServeSettings, stop_event: asyncio.Even
         stopper.cancel()
         log.info("rnnserve: draining in-flight requests (up to %.0fs)", settings.drain_timeout_s)
         host.dataplane.begin_drain()
+        if http_listener is not None:
+            # with the front-ends' copies (closed as they drain) gone, new connections are refused at once rather
+            # than left waiting in the backlog for the whole drain
+            http_listener.close()
     finally:
         await stop_children(frontends, settings.drain_timeout_s)  # first: their requests still reach the engines
         await stop_children(engines, settings.drain_timeout_s)

@@ -9,17 +9,20 @@ from __future__ import annotations
 import asyncio
 import http.client
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from service.ports import bind_listener
 from service.transports.rest import balanced_accept
 from service.transports.rest.balanced_accept import BalancedAcceptor, ConnectionTable, shared_listener
-from serving_support import build_repository, start_server, stop_server
+from serving_support import build_repository, start_server, stop_server, write_config
 
 
 class _Held(asyncio.Protocol):
@@ -183,3 +186,35 @@ def test_a_real_server_spreads_kept_alive_connections_over_its_front_ends(tmp_pa
         for c in conns:
             c.close()
         assert stop_server(proc) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("balance", ["connections", "kernel"])
+def test_new_connections_are_refused_once_the_drain_begins(tmp_path, balance):
+    repo = build_repository(tmp_path / "models")
+    # a lone request waits 10 s for a fuller batch, so the server is still draining (up to 5 s) when we connect
+    write_config(repo, "lstm", max_batch_size=8, max_queue_delay_us=10_000_000)
+    proc, http_url, _ = start_server(repo, "--frontends", "2", "--http-balance", balance, "--drain-timeout-s", "5")
+    host, port = http_url.split("://")[1].rsplit(":", 1)
+    body = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 3, 4], "data": [0.0] * 12}]}
+    held = threading.Thread(target=lambda: httpx.post(f"{http_url}/v2/models/lstm/infer", json=body, timeout=30))
+    try:
+        held.start()
+        deadline = time.monotonic() + 20
+        while "rnnserve_queue_depth{model=\"lstm\",version=\"1\"} 1.0" not in httpx.get(f"{http_url}/metrics").text:
+            assert time.monotonic() < deadline, "the request did not queue"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 3
+        while True:
+            try:
+                socket.create_connection((host, int(port)), timeout=1).close()
+            except ConnectionRefusedError:
+                break
+            assert time.monotonic() < deadline, "connections were still taken 3 s into the drain"
+            time.sleep(0.05)
+        assert proc.poll() is None, "the server had already exited: the test did not see the drain"
+    finally:
+        rc = stop_server(proc) if proc.poll() is None else proc.wait()
+        held.join(30)
+    assert rc == 0

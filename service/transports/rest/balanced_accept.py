@@ -81,11 +81,6 @@ class BalancedAcceptor:
             self._later.cancel()
         self._sock.close()
 
-    @property
-    def connections(self) -> int:
-        """Connections this front-end holds."""
-        return self._table.counts[self._index]
-
     def _watch(self) -> None:
         if not self._closed and not self._reading:
             self._loop.add_reader(self._sock.fileno(), self._readable)
@@ -114,7 +109,8 @@ class BalancedAcceptor:
         try:
             conn, _ = self._sock.accept()
         except (BlockingIOError, InterruptedError):
-            return  # another front-end took it
+            self._defers = 0  # another front-end took it: the next connection starts the count again
+            return
         except OSError as exc:
             if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                 log.warning("cannot accept an HTTP connection (%s); trying again in %.1fs", exc, _RETRY_S)
