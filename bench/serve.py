@@ -1249,6 +1249,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="front-end processes of the started server (rnnserve serve --frontends; default 1)")
     p.add_argument("--graph-memory-mb", type=int, default=None,
                    help="cuda_graph_memory_mb of the started server's models (default: the config's; 0: no CUDA graphs)")
+    p.add_argument("--queue-delay-us", type=int, default=None,
+                   help="max_queue_delay_us of the started server's request models (default: the config's, 0)")
     p.add_argument("--client-cpus", type=cpu_list, default=None,
                    help="CPUs the load-generating processes run on, e.g. 10-15 (default: any): with --server-cpus, "
                         "clients do not take CPU time from the server, as when they run on other machines")
@@ -1274,9 +1276,12 @@ def main(argv: list[str] | None = None) -> int:
         tmp = tempfile.TemporaryDirectory(prefix="rnnserve-bench-")
         repo = Path(tmp.name) / "models"
         extra = {} if args.graph_memory_mb is None else {"cuda_graph_memory_mb": args.graph_memory_mb}
+        if args.queue_delay_us is not None:
+            extra["max_queue_delay_us"] = args.queue_delay_us
         write_repository(repo, args.features, args.hidden, args.layers, extra)
-        stream_extra = extra if args.stream_queue_delay_us is None else {
-            **extra, "max_queue_delay_us": args.stream_queue_delay_us}
+        stream_extra = {k: v for k, v in extra.items() if k != "max_queue_delay_us"}
+        stream_extra = stream_extra if args.stream_queue_delay_us is None else {
+            **stream_extra, "max_queue_delay_us": args.stream_queue_delay_us}
         write_stream_model(repo, args.features, args.stream_hidden, args.stream_layers, stream_extra)
         proc, http_url, grpc_url = start_server(repo, args.device, ["--frontends", str(args.frontends),
                                                                     "--engines", str(args.engines)],
