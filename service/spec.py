@@ -10,6 +10,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 CELLS = ("lstm", "gru", "rnn_tanh", "rnn_relu")
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 # Canonical gate names, in cuDNN linLayerID order.
@@ -31,6 +33,37 @@ ACTIVATIONS = (
 )
 
 
+_FLAGS = ("peephole", "reset_before", "input_forget", "reverse")
+
+
+def _check_types(block: "BlockSpec") -> None:
+    """Refuse fields of the wrong type (a hand-edited spec: ``"input_size": "3"``) before anything computes with them."""
+    from .errors import InvalidInput
+
+    def integer(v: Any) -> bool:
+        return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+    if not isinstance(block.cell, str):
+        raise InvalidInput(f"block cell must be a string (one of {', '.join(CELLS)}), got {block.cell!r}")
+    for name in ("input_size", "hidden_size", "num_layers", "proj_size"):
+        if not integer(getattr(block, name)):
+            raise InvalidInput(f"block {name} must be an integer, got {getattr(block, name)!r}")
+    if not isinstance(block.bidirectional, (bool, np.bool_)):
+        raise InvalidInput(f"block bidirectional must be true or false, got {block.bidirectional!r}")
+    if not isinstance(block.variant, dict):
+        raise InvalidInput(f"block variant must be an object of variant keys, got {block.variant!r}")
+    for key in _FLAGS:
+        if key in block.variant and not isinstance(block.variant[key], (bool, np.bool_)):
+            raise InvalidInput(f"variant '{key}' must be true or false, got {block.variant[key]!r}")
+    clip = block.variant.get("clip")
+    if clip is not None and (isinstance(clip, (bool, np.bool_)) or not isinstance(clip, (int, float, np.number))
+                             or not clip > 0):
+        raise InvalidInput(f"variant 'clip' must be a positive number, got {clip!r}")
+    acts = block.variant.get("activations")
+    if acts is not None and not isinstance(acts, (list, tuple)):
+        raise InvalidInput(f"variant 'activations' must be a list (one per direction), got {acts!r}")
+
+
 @dataclass(frozen=True)
 class BlockSpec:
     """One cuDNN-expressible stack of recurrent layers (plus an optional variant)."""
@@ -46,6 +79,7 @@ class BlockSpec:
     def __post_init__(self) -> None:
         from .errors import InvalidInput
 
+        _check_types(self)
         if self.cell not in CELLS:
             raise InvalidInput(f"unknown cell '{self.cell}'; expected one of {', '.join(CELLS)}")
         for name in ("input_size", "hidden_size", "num_layers"):
@@ -173,5 +207,18 @@ class RNNSpec:
     @classmethod
     def from_json(cls, text: str) -> "RNNSpec":
         """Parse what :meth:`to_json` wrote."""
+        from .errors import InvalidInput
+
         data = json.loads(text)
-        return cls(tuple(BlockSpec(**b) for b in data["blocks"]))
+        blocks = data.get("blocks") if isinstance(data, dict) else None
+        if not isinstance(blocks, list) or not blocks or not all(isinstance(b, dict) for b in blocks):
+            raise InvalidInput('the spec must be {"blocks": [{...}, ...]} with at least one block object')
+        fields = {"cell", "input_size", "hidden_size", "num_layers", "bidirectional", "proj_size", "variant"}
+        for k, b in enumerate(blocks):
+            unknown, missing = set(b) - fields, {"cell", "input_size", "hidden_size"} - set(b)
+            if unknown:
+                raise InvalidInput(f"block {k} of the spec has unknown fields {sorted(unknown)}; a block's fields are "
+                                   f"{', '.join(sorted(fields))}")
+            if missing:
+                raise InvalidInput(f"block {k} of the spec lacks {sorted(missing)}")
+        return cls(tuple(BlockSpec(**b) for b in blocks))
