@@ -79,7 +79,7 @@ def load_tensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str
     header, body = _split(data, where)
     metadata = _metadata(header.pop("__metadata__", None), where)
     entries = [_entry(name, info, len(body), where) for name, info in header.items()]
-    _refuse_overlaps(entries, where)
+    _refuse_overlaps(entries, len(body), where)
     tensors: dict[str, np.ndarray] = {}
     stored: dict[str, str] = {}
     for e in entries:
@@ -175,13 +175,28 @@ def _entry(name: str, info: object, body_size: int, where: str) -> _Entry:
     return _Entry(name, dtype, tuple(shape), start, end)
 
 
-def _refuse_overlaps(entries: list[_Entry], where: str) -> None:
-    """Refuse tensors sharing bytes: the writer never does that, so the header was edited or is corrupt."""
-    spans = sorted((e for e in entries if e.end > e.start), key=lambda e: (e.start, e.end))
-    for a, b in zip(spans, spans[1:]):
-        if b.start < a.end:
-            raise InvalidInput(f"{where}: tensors '{a.name}' (bytes {a.start}-{a.end}) and '{b.name}' "
-                               f"(bytes {b.start}-{b.end}) overlap; {_FIX}")
+def _refuse_overlaps(entries: list[_Entry], body_size: int, where: str) -> None:
+    """Refuse tensors sharing bytes, gaps between them, and bytes after the last: the format packs tensors back
+    to back from the start of the data to its end (the safetensors library refuses anything else too), so the
+    header was edited or the file is corrupt."""
+    spans = sorted(entries, key=lambda e: (e.start, e.end))
+    previous: _Entry | None = None
+    for e in spans:
+        end = previous.end if previous is not None else 0
+        if e.start < end:
+            raise InvalidInput(f"{where}: tensors '{previous.name}' (bytes {previous.start}-{previous.end}) and "
+                               f"'{e.name}' (bytes {e.start}-{e.end}) overlap; {_FIX}")
+        if e.start > end:
+            after = f"'{previous.name}' ends" if previous is not None else "the data starts"
+            raise InvalidInput(f"{where}: tensor '{e.name}' starts at byte {e.start} of the data but {after} at byte "
+                               f"{end}: {e.start - end:,} bytes belong to no tensor (the format packs tensors back to "
+                               f"back); {_FIX}")
+        if e.end > end or previous is None:
+            previous = e
+    end = previous.end if previous is not None else 0
+    if end != body_size:
+        raise InvalidInput(f"{where}: {body_size - end:,} bytes follow the last tensor's data (the format ends with "
+                           f"it; truncated or appended to?); {_FIX}")
 
 
 def _whole(value: object) -> bool:

@@ -96,6 +96,35 @@ def test_overlapping_tensors_are_refused(tmp_path):
     assert f"tensors 'block0.weights' (bytes 0-576) and 'block1.weights' (bytes 8-{8 + size}) overlap" in message
 
 
+def test_gaps_between_tensors_and_bytes_after_the_last_are_refused(tmp_path):
+    # the safetensors library refuses both (InvalidOffset, MetadataIncompleteBuffer); rnnserve accepted them
+    path = _saved(tmp_path)
+    header, body = _header(path)
+    end0 = header["block0.weights"]["data_offsets"][1]
+    size1 = header["block1.weights"]["data_offsets"][1] - end0
+    header["block1.weights"]["data_offsets"] = [end0 + 4, end0 + 4 + size1]
+    _rewrite(path, header, body + b"\0" * 4)
+    assert (f"tensor 'block1.weights' starts at byte {end0 + 4} of the data but 'block0.weights' ends at byte "
+            f"{end0}: 4 bytes belong to no tensor") in _refused(path)
+    header, body = _header(path)
+    for entry in ("block0.weights", "block1.weights"):
+        header[entry]["data_offsets"] = [b + 8 for b in header[entry]["data_offsets"]]
+    _rewrite(path, header, body + b"\0" * 8)
+    assert "tensor 'block0.weights' starts at byte 8 of the data but the data starts at byte 0" in _refused(path)
+    path = _saved(tmp_path / "tail")
+    path.write_bytes(path.read_bytes() + b"junk")
+    assert "4 bytes follow the last tensor's data (the format ends with it; truncated or appended to?)" in _refused(path)
+
+
+def test_empty_tensors_between_others_are_fine(tmp_path):
+    path = _saved(tmp_path)
+    header, body = _header(path)
+    end0 = header["block0.weights"]["data_offsets"][1]
+    header["block0.empty"] = {"dtype": "F32", "shape": [0, 3], "data_offsets": [end0, end0]}
+    _rewrite(path, header, body)
+    assert load_model(path.parent.parent).extras["block0.empty"].shape == (0, 3)
+
+
 @pytest.mark.parametrize("metadata,problem", [
     ("x", "__metadata__ is a JSON string, expected an object of strings"),
     ([1], "__metadata__ is a JSON array, expected an object of strings"),
@@ -157,6 +186,49 @@ def test_a_tensor_whose_shape_disagrees_with_the_spec_names_the_file(tmp_path):
     _edit(path, "block0.weights", "shape", [4, 36])
     message = _refused(path, where="", fix="convert the model again")
     assert message == f"{path}: block 0 buffer has shape (4, 36), its spec needs (144,); convert the model again"
+
+
+def _edit_spec(path: Path, edit) -> None:
+    header, body = _header(path)
+    spec = json.loads(header["__metadata__"]["rnnserve.spec"])
+    edit(spec)
+    header["__metadata__"]["rnnserve.spec"] = json.dumps(spec)
+    _rewrite(path, header, body)
+
+
+@pytest.mark.parametrize("field,value,problem", [
+    ("input_size", "3", "block input_size must be an integer, got '3'"),
+    ("hidden_size", 4.0, "block hidden_size must be an integer, got 4.0"),
+    ("num_layers", True, "block num_layers must be an integer, got True"),
+    ("proj_size", None, "block proj_size must be an integer, got None"),
+    ("bidirectional", "yes", "block bidirectional must be true or false, got 'yes'"),
+    ("cell", 4, "block cell must be a string (one of lstm, gru, rnn_tanh, rnn_relu), got 4"),
+    ("variant", [], "block variant must be an object of variant keys, got []"),
+    ("variant", {"peephole": 1}, "variant 'peephole' must be true or false, got 1"),
+    ("variant", {"clip": "3"}, "variant 'clip' must be a positive number, got '3'"),
+    ("variant", {"clip": -1.0}, "variant 'clip' must be a positive number, got -1.0"),
+    ("variant", {"activations": "tanh"}, "variant 'activations' must be a list (one per direction), got 'tanh'"),
+    ("colour", "red", "block 0 of the spec has unknown fields ['colour']; a block's fields are bidirectional, cell, "
+                        "hidden_size, input_size, num_layers, proj_size, variant"),
+])
+def test_a_hand_edited_spec_of_the_wrong_types_is_refused_at_load(tmp_path, field, value, problem):
+    # "input_size": "3" loaded (int("3") passed the range check) and failed later, wherever a size was used
+    path = _saved(tmp_path)
+    _edit_spec(path, lambda spec: spec["blocks"][0].update({field: value}))
+    message = _refused(path, where="", fix="convert the model again")
+    assert message == f"{path}: corrupt spec metadata ({problem}); convert the model again"
+
+
+@pytest.mark.parametrize("edit,problem", [
+    (lambda spec: spec.clear(), 'the spec must be {"blocks": [{...}, ...]} with at least one block object'),
+    (lambda spec: spec.update(blocks=[]), 'the spec must be {"blocks": [{...}, ...]}'),
+    (lambda spec: spec.update(blocks=[1]), 'the spec must be {"blocks": [{...}, ...]}'),
+    (lambda spec: spec["blocks"][1].pop("hidden_size"), "block 1 of the spec lacks ['hidden_size']"),
+])
+def test_a_spec_without_its_blocks_is_refused_at_load(tmp_path, edit, problem):
+    path = _saved(tmp_path)
+    _edit_spec(path, edit)
+    assert problem in _refused(path, where="", fix="convert the model again")
 
 
 def test_the_writers_own_files_still_load_in_every_dtype(tmp_path):
