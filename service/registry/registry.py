@@ -333,6 +333,10 @@ class ModelRegistry:
         copy now owns them)."""
         was_serving = sv.scheduler is not None
         sv.state = ModelState.UNLOADING if was_serving else sv.state
+        if not forget:  # the new copy's gauges: this copy's drain and cleared streams must leave them alone
+            for part in (sv.scheduler, sv.streams):
+                if part is not None:
+                    part.release_gauges()
         if sv.scheduler is not None:
             await sv.scheduler.stop(drain)
             sv.scheduler = None

@@ -114,6 +114,7 @@ class Scheduler:
         self._task: asyncio.Task | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._labels = {"model": model, "version": version}
+        self._owns_gauges = True  # see release_gauges
         # Batches in flight: a GPU engine launches the next batch while the last one still runs (its
         # stream keeps them in order) or while the event loop is still answering the last one's requests.
         self._inflight = max(1, int(getattr(engine, "concurrent_batches", 1)))
@@ -229,8 +230,13 @@ class Scheduler:
                 self._queued -= item.work.sequences
         self._set_depth()
 
+    def release_gauges(self) -> None:
+        """Stop setting this version's queue-depth gauge: a reload's new copy of the version owns it now, and this
+        copy's drain must not overwrite the new copy's value (the series is the version's, not the copy's)."""
+        self._owns_gauges = False
+
     def _set_depth(self) -> None:
-        if self._metrics is not None:
+        if self._metrics is not None and self._owns_gauges:
             self._series.queue_depth.set(len(self._waiting))
 
     async def _loop(self) -> None:

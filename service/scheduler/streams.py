@@ -112,6 +112,7 @@ class StreamStore:
         self.max_streams = max_streams
         self.idle_timeout_s = idle_timeout_s
         self._metrics = metrics
+        self._owns_gauges = True  # see release_gauges
         self._labels = {"model": model, "version": version}
         self._streams: dict[str, StreamState] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()
@@ -122,7 +123,8 @@ class StreamStore:
         return len(self._streams)
 
     def start(self) -> None:
-        """Start the task that drops idle streams even when no chunk arrives."""
+        """Start the task that drops idle streams even when no chunk arrives; the live-streams gauge reads 0."""
+        self._gauge()
         self._sweeper = asyncio.create_task(self._sweep_loop(), name=f"streams-{self.model}-{self.version}")
 
     async def _sweep_loop(self) -> None:
@@ -215,7 +217,11 @@ class StreamStore:
             self.close(state, f"expired after {self.idle_timeout_s:g}s without a chunk (stream_idle_timeout_s)",
                        "expired")
 
+    def release_gauges(self) -> None:
+        """Stop setting the version's live-streams gauge: a reload's new copy owns it (see the scheduler's)."""
+        self._owns_gauges = False
+
     def _gauge(self) -> None:
-        if self._metrics is not None:
+        if self._metrics is not None and self._owns_gauges:
             self._metrics.active_streams.labels(**self._labels).set(len(self._streams))
 

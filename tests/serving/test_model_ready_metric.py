@@ -66,6 +66,21 @@ async def test_a_version_a_reload_retires_reads_0(repo):
         assert gauges[("rnnserve_model_ready", "1")] == 1 and gauges[("rnnserve_model_ready", "2")] == 0
 
 
+async def test_the_copy_a_reload_replaced_leaves_the_version_s_gauges_to_the_new_copy(repo):
+    x = np.ones((1, 3, 4), np.float32)
+    async with rest_client(repo) as (client, dataplane):
+        old = dataplane.registry.version("lstm", "1")
+        old_streams = old.streams
+        assert (await client.post("/v2/repository/models/lstm/load")).status_code == 200  # a reload of version 1
+        assert dataplane.registry.version("lstm", "1") is not old
+        start = await client.post("/v2/models/lstm/infer", json=_body(x, sequence_id=9, sequence_start=True))
+        assert start.status_code == 200
+        assert (await _gauges(client, "lstm"))[("rnnserve_active_streams", "1")] == 1
+        # the old copy's store, cleared once more (as a late sweep or drain would), must not write the series
+        old_streams.clear("test")
+        assert (await _gauges(client, "lstm"))[("rnnserve_active_streams", "1")] == 1
+
+
 async def test_a_failed_load_reads_0_and_a_failed_reload_of_a_serving_version_keeps_1(repo):
     (repo / "broken" / "1").mkdir(parents=True)
     (repo / "broken" / "1" / "model.safetensors").write_bytes(b"\x01\x00")

@@ -577,3 +577,33 @@ async def test_observe_many_equals_observing_one_by_one():
     assert [m[:2] for m in many] == [o[:2] for o in one_by_one]
     assert [m[2] for m in many] == pytest.approx([o[2] for o in one_by_one], rel=1e-12)  # the sum's rounding
     assert ("h_seconds_count", {"model": "m"}, 10.0) in many
+
+
+async def test_a_reloaded_copy_draining_leaves_the_new_copy_s_queue_depth_alone():
+    # old and new copy of one version share the (model, version) series: during a reload the old copy drains
+    # while the new one serves, and each batch the old copy took used to overwrite the new copy's queue depth
+    from service.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    depth = metrics.queue_depth.labels(model="m", version="1")
+    old_engine, new_engine = GatedEngine(), GatedEngine()
+    old = await _scheduler(old_engine, max_batch_size=1, max_queue_delay_us=0, metrics=metrics)
+    old_blocker = await _hold(old_engine, old)
+    old_waiting = [asyncio.create_task(old.submit(_work(3))) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    assert depth._value.get() == 2
+    new = await _scheduler(new_engine, max_batch_size=1, max_queue_delay_us=0, metrics=metrics)
+    old.release_gauges()  # what the registry does as the reload retires the old copy (test_registry covers that)
+    stopping = asyncio.create_task(old.stop(drain=True))
+    new_blocker = await _hold(new_engine, new)
+    new_waiting = [asyncio.create_task(new.submit(_work(3))) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    assert depth._value.get() == 3
+    old_engine.gate.set()  # the old copy takes its two waiting batches now
+    await stopping
+    await asyncio.gather(old_blocker, *old_waiting)
+    assert depth._value.get() == 3  # was 0: the old copy's last take
+    new_engine.gate.set()
+    await asyncio.gather(new_blocker, *new_waiting)
+    assert depth._value.get() == 0
+    await new.stop()
