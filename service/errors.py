@@ -55,6 +55,13 @@ class Unavailable(RNNServeError):
     status = "UNAVAILABLE"
 
 
+def cut_off_by_drain(drain_timeout_s: float) -> Unavailable:
+    """What a request still running when the drain's time is up gets, on every transport."""
+    return Unavailable(
+        f"the server is shutting down and this request did not finish within its drain timeout "
+        f"({drain_timeout_s:g}s, --drain-timeout-s); retry it on another replica")
+
+
 class StaleModelView(Unavailable):
     """A front-end process validated a request against a model version that has since been replaced.
 

@@ -77,5 +77,7 @@ def test_requests_cut_off_by_the_drain_timeout_get_503_json_and_unavailable(tmp_
         assert r.status_code == 503 and r.headers["content-type"] == "application/json", (route, r.text)
         assert "the server is shutting down" in r.json()["error"] and "retry it on another replica" in r.json()["error"]
     assert isinstance(answers["grpc"], InferenceServerException), answers["grpc"]
-    # grpc.aio cancels the calls left at the grace period with UNAVAILABLE (its own message: "Cancelling all calls")
+    # the service's own answer, as on REST (grpc.aio's cancel at its grace period said "Cancelling all calls")
     assert answers["grpc"].status() == "StatusCode.UNAVAILABLE", answers["grpc"]
+    assert "the server is shutting down" in answers["grpc"].message(), answers["grpc"]
+    assert "retry it on another replica" in answers["grpc"].message(), answers["grpc"]

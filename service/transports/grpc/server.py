@@ -8,7 +8,9 @@ from grpc import aio
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
+from ...errors import cut_off_by_drain
 from ...ports import bind_listener, listen_error
+from .calls import CallTracker
 from .generated import inference_pb2 as pb
 from .servicer import InferenceServicer
 from .status import register
@@ -18,6 +20,8 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 SERVICE_NAME = "inference.GRPCInferenceService"
 # How often Watch subscribers of the health service see readiness changes.
 HEALTH_POLL_SECONDS = 1.0
+# grpc's own cancel of the calls left at the drain's end comes this long after the service's answer to them
+GRPC_GRACE_MARGIN_S = 1.0
 
 
 class ReadinessHealthServicer(health_aio.HealthServicer):
@@ -61,10 +65,12 @@ class GRPCServer:
     :attr:`server`.
     """
 
-    def __init__(self, server: aio.Server, bound_port: int, health: ReadinessHealthServicer) -> None:
+    def __init__(self, server: aio.Server, bound_port: int, health: ReadinessHealthServicer,
+                 calls: CallTracker | None = None) -> None:
         self.server = server
         self.bound_port = bound_port
         self._health = health
+        self._calls = calls if calls is not None else CallTracker()
         self._poller: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -73,14 +79,23 @@ class GRPCServer:
         self._poller = asyncio.create_task(self._poll_health())
 
     async def stop(self, grace: float | None) -> None:
-        """Reports NOT_SERVING, then stops; in-flight RPCs get ``grace`` seconds to finish."""
+        """Reports NOT_SERVING, then stops; in-flight RPCs get ``grace`` seconds to finish, and those still running
+        then end with UNAVAILABLE and the service's message (see :mod:`.calls`)."""
         if self._poller is not None:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
             self._poller = None
         await self._health.enter_graceful_shutdown()
-        await self.server.stop(grace)
+        if grace is None:
+            await self.server.stop(grace)
+            return
+        # grpc's own cancel comes later than ours: by then the calls have answered
+        stopping = asyncio.create_task(self.server.stop(grace + GRPC_GRACE_MARGIN_S))
+        done, _ = await asyncio.wait({stopping}, timeout=grace)
+        if not done:
+            self._calls.cut_off(cut_off_by_drain(grace))
+        await stopping
 
     async def wait_for_termination(self, timeout: float | None = None) -> bool:
         return await self.server.wait_for_termination(timeout)
@@ -114,9 +129,10 @@ def create_grpc_server(
         ],
     )
     inference = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-    register(server, InferenceServicer(dataplane, max_message_bytes=max_message_bytes), inference)
+    calls = CallTracker()
+    register(server, InferenceServicer(dataplane, max_message_bytes=max_message_bytes), inference, calls)
     health = ReadinessHealthServicer(dataplane)
-    register(server, health, health_pb2.DESCRIPTOR.services_by_name["Health"])
+    register(server, health, health_pb2.DESCRIPTOR.services_by_name["Health"], calls)
     server.add_generic_rpc_handlers((UnservedMethods(inference),))
 
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
@@ -129,4 +145,4 @@ def create_grpc_server(
         bound_port = 0
     if bound_port == 0:
         raise listen_error(f"{address} (--grpc-port)", None)
-    return GRPCServer(server, bound_port, health)
+    return GRPCServer(server, bound_port, health, calls)

@@ -13,6 +13,7 @@ parse with UNKNOWN and protobuf's words; here it is INVALID_ARGUMENT with what t
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from typing import Any, AsyncIterator, Callable
@@ -23,6 +24,7 @@ from google.protobuf.message_factory import GetMessageClass
 from grpc import aio
 
 from ...errors import STATUS_TABLE, InvalidInput, RNNServeError
+from .calls import CallTracker
 
 log = logging.getLogger(__name__)
 
@@ -60,31 +62,60 @@ async def _parsed(raw_messages: AsyncIterator[bytes], parse) -> AsyncIterator[An
         yield parse(raw)
 
 
-def _wrap(behavior, parse, client_streaming: bool):
-    """``behavior`` (coroutine or async-generator handler) fed parsed requests, with errors mapped."""
+def _wrap(behavior, parse, client_streaming: bool, calls: CallTracker | None):
+    """``behavior`` (coroutine or async-generator handler) fed parsed requests, with errors mapped; while it runs
+    its task is in ``calls`` (see :mod:`.calls`: the drain's cut-off answers it)."""
     def request_of(raw):
         return _parsed(raw, parse) if client_streaming else parse(raw)
 
+    async def cancelled(context: aio.ServicerContext, task: asyncio.Task | None) -> None:
+        error = calls.answer_for(task) if calls is not None else None
+        if error is None:
+            raise asyncio.CancelledError
+        await _abort(context, error)
+
     if inspect.isasyncgenfunction(behavior):
         async def stream_behavior(raw, context):
+            task = _enter(calls)
             try:
                 async for response in behavior(request_of(raw), context):
                     yield response
             except aio.AbortError:
                 raise
+            except asyncio.CancelledError:
+                await cancelled(context, task)
             except Exception as exc:
                 await _abort(context, exc)
+            finally:
+                _leave(calls, task)
         return stream_behavior
 
     async def unary_behavior(raw, context):
+        task = _enter(calls)
         try:
             result = behavior(request_of(raw), context)
             return await result if inspect.isawaitable(result) else result
         except aio.AbortError:
             raise
+        except asyncio.CancelledError:
+            await cancelled(context, task)
         except Exception as exc:
             await _abort(context, exc)
+        finally:
+            _leave(calls, task)
     return unary_behavior
+
+
+def _enter(calls: CallTracker | None) -> asyncio.Task | None:
+    task = asyncio.current_task()
+    if calls is not None and task is not None:
+        calls.running.add(task)
+    return task
+
+
+def _leave(calls: CallTracker | None, task: asyncio.Task | None) -> None:
+    if calls is not None:
+        calls.running.discard(task)
 
 
 _HANDLER_KINDS = {
@@ -95,8 +126,9 @@ _HANDLER_KINDS = {
 }
 
 
-def register(server: aio.Server, servicer: Any, service_descriptor) -> None:
-    """Serve each RPC of ``service_descriptor`` that ``servicer`` has a method for, errors mapped.
+def register(server: aio.Server, servicer: Any, service_descriptor, calls: CallTracker | None = None) -> None:
+    """Serve each RPC of ``service_descriptor`` that ``servicer`` has a method for, errors mapped (and each call
+    kept in ``calls`` while it runs).
 
     In place of the generated ``add_*_to_server``, which has grpc parse the requests.
     """
@@ -108,7 +140,7 @@ def register(server: aio.Server, servicer: Any, service_descriptor) -> None:
         kind = (method.client_streaming, method.server_streaming)
         response_class = GetMessageClass(method.output_type)
         handlers[method.name] = _HANDLER_KINDS[kind](
-            _wrap(behavior, _parser(GetMessageClass(method.input_type)), method.client_streaming),
+            _wrap(behavior, _parser(GetMessageClass(method.input_type)), method.client_streaming, calls),
             request_deserializer=None,  # bytes: parsed by the wrapper
             response_serializer=response_class.SerializeToString,
         )

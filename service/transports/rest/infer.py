@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ...dataplane import DataPlane
-from ...errors import RNNServeError, Unavailable
+from ...errors import RNNServeError, Unavailable, cut_off_by_drain
 from .codec import HEADER, answer_limit, decode_request, encode_response, header_length, json_values
 from .decode_gate import DecodeGate
 from .responses import error_response, read_decoded_body
@@ -103,9 +103,7 @@ class InferFastPath:
         """The server is stopping: a request cancelled from now on was cut off at the end of the drain (uvicorn
         cancels what still runs then) and gets 503 with the service's JSON error, so that the client retries it
         on another replica instead of reading uvicorn's plain-text 500 as a server fault."""
-        self._cut_off = Unavailable(
-            f"the server is shutting down and this request did not finish within its drain timeout "
-            f"({drain_timeout_s:g}s, --drain-timeout-s); retry it on another replica")
+        self._cut_off = cut_off_by_drain(drain_timeout_s)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         match = None
