@@ -35,7 +35,6 @@ from .registry import DEFAULTED_FIELDS, ModelRegistry
 from .settings import ServeSettings
 from .transports.rest import create_rest_app
 from .transports.rest.balanced_accept import BalancedAcceptor, ConnectionTable
-from .transports.rest.corked import CorkedHTTPProtocol
 
 # a listening socket shared by the front-end processes, their connection table, and one's slot in it
 SharedHTTP = tuple[socket.socket, ConnectionTable, int]
@@ -138,7 +137,6 @@ class Transports:
             sock.close()
             raise RNNServeError(f"the gRPC server could not start: {exc}") from exc
         config = uvicorn.Config(create_rest_app(dataplane, settings.max_request_bytes), lifespan="off",
-                                http=CorkedHTTPProtocol,
                                 log_level=settings.log_level, access_log=settings.log_level == "debug",
                                 timeout_graceful_shutdown=settings.drain_timeout_s)
         http = _UvicornServer(config)

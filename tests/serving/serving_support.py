@@ -143,13 +143,22 @@ def start_server(repository: Path, *extra: str, env: dict[str, str] | None = Non
             _wait_ready(http_url, deadline)
             return proc, http_url, grpc_url
     proc.kill()
+    proc.wait()
+    proc.stdout.close()
     raise RuntimeError("rnnserve did not start:\n" + "".join(seen))
 
 
 def _drain_output(proc: subprocess.Popen) -> None:
+    """Read the server's output until it exits (a full pipe would block it), then close the pipe (left open, it
+    was a ResourceWarning in the test that started the server)."""
     import threading
 
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+    def drain() -> None:
+        with proc.stdout:
+            for _ in proc.stdout:
+                pass
+
+    threading.Thread(target=drain, daemon=True).start()
 
 
 def _wait_ready(http_url: str, deadline: float) -> None:
