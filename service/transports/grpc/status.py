@@ -68,12 +68,6 @@ def _wrap(behavior, parse, client_streaming: bool, calls: CallTracker | None):
     def request_of(raw):
         return _parsed(raw, parse) if client_streaming else parse(raw)
 
-    async def cancelled(context: aio.ServicerContext, task: asyncio.Task | None) -> None:
-        error = calls.answer_for(task) if calls is not None else None
-        if error is None:
-            raise asyncio.CancelledError
-        await _abort(context, error)
-
     if inspect.isasyncgenfunction(behavior):
         async def stream_behavior(raw, context):
             task = _enter(calls)
@@ -83,7 +77,10 @@ def _wrap(behavior, parse, client_streaming: bool, calls: CallTracker | None):
             except aio.AbortError:
                 raise
             except asyncio.CancelledError:
-                await cancelled(context, task)
+                error = calls.answer_for(task) if calls is not None else None
+                if error is None:  # not the drain's cut-off: the call stays cancelled
+                    raise
+                await _abort(context, error)
             except Exception as exc:
                 await _abort(context, exc)
             finally:
@@ -98,7 +95,10 @@ def _wrap(behavior, parse, client_streaming: bool, calls: CallTracker | None):
         except aio.AbortError:
             raise
         except asyncio.CancelledError:
-            await cancelled(context, task)
+            error = calls.answer_for(task) if calls is not None else None
+            if error is None:  # not the drain's cut-off: the call stays cancelled
+                raise
+            await _abort(context, error)
         except Exception as exc:
             await _abort(context, exc)
         finally:
