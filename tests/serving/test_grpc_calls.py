@@ -27,13 +27,18 @@ async def _slow(request, context):
     await asyncio.sleep(30)
 
 
-async def test_a_call_cut_off_by_the_drain_answers_unavailable_with_the_service_s_message():
+async def _running_call() -> tuple[CallTracker, _Context, asyncio.Task]:
+    """A unary call through the wrapper, running (in ``calls``) until cancelled."""
     calls = CallTracker()
-    handler = _wrap(_slow, lambda raw: raw, False, calls)
     context = _Context()
-    task = asyncio.create_task(handler(b"", context))
+    task = asyncio.create_task(_wrap(_slow, lambda raw: raw, False, calls)(b"", context))
     await asyncio.sleep(0.01)
     assert calls.running == {task}
+    return calls, context, task
+
+
+async def test_a_call_cut_off_by_the_drain_answers_unavailable_with_the_service_s_message():
+    calls, context, task = await _running_call()
     assert calls.cut_off(cut_off_by_drain(0.5)) == 1
     with pytest.raises(aio.AbortError):
         await task
@@ -45,11 +50,7 @@ async def test_a_call_cut_off_by_the_drain_answers_unavailable_with_the_service_
 
 async def test_a_call_cancelled_otherwise_stays_cancelled():
     # the client went away, or grpc stops the server: not the drain's answer to give
-    calls = CallTracker()
-    handler = _wrap(_slow, lambda raw: raw, False, calls)
-    context = _Context()
-    task = asyncio.create_task(handler(b"", context))
-    await asyncio.sleep(0.01)
+    calls, context, task = await _running_call()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
