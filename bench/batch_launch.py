@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="8,19,32,64")
     p.add_argument("--reps", type=int, default=200)
     p.add_argument("--arena", action="store_true", help="parts in an announced shared mapping (see above)")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="write a cProfile of the timed batches (launch and finish) here, as text")
     args = p.parse_args(argv)
 
     import serve
@@ -100,9 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     for b in (int(s) for s in args.batches.split(",")):
         pool = [make_parts(rng, b, 40, place) for _ in range(16)]
         launches, finishes, prev = [], [], None
+        profiler = None
         for rep in range(args.reps + 10):
             if rep == 10:
                 began = time.perf_counter()
+                if args.profile is not None:
+                    import cProfile
+
+                    profiler = cProfile.Profile()
+                    profiler.enable()
             parts = pool[rep % len(pool)]
             t0 = time.perf_counter()
             merged, launched = launch_batch(engine, parts)
@@ -119,11 +127,28 @@ def main(argv: list[str] | None = None) -> int:
         prev[1].wait()
         finish_batch(engine, *prev)
         wall_ms = 1e3 * (time.perf_counter() - began) / args.reps
+        if profiler is not None:
+            _write_profile(profiler, args.profile, b, args.reps)
         launch_ms, finish_ms = 1e3 * statistics.median(launches), 1e3 * statistics.median(finishes)
         print(f"| {b} | {len(pool[0])} | {launch_ms:.3f} | {finish_ms:.3f} | {1e3 * (launch_ms + finish_ms) / b:.1f} | {wall_ms:.3f} |",
               flush=True)
     engine.close()
     return 0
+
+
+def _write_profile(profiler, path: Path, batch: int, reps: int) -> None:
+    """Append the profile's top functions (own time, then cumulative) for batches of ``batch`` to ``path``."""
+    import io
+    import pstats
+
+    profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    out.write(f"batches of {batch}, {reps} batches (divide times by it for one batch)\n")
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(45)
+    with path.open("a") as f:
+        f.write(out.getvalue())
 
 
 if __name__ == "__main__":
