@@ -166,8 +166,8 @@ class Transports:
 
         Requests still running at the timeout are cut off with an answer a client can retry elsewhere:
         REST 503 with the service's JSON error
-        (:meth:`~service.transports.rest.infer.InferFastPath.begin_drain`), gRPC UNAVAILABLE (grpc.aio
-        cancels the calls).
+        (:meth:`~service.transports.rest.infer.InferFastPath.begin_drain`), gRPC UNAVAILABLE with the same message
+        (:mod:`.transports.grpc.calls`).
         """
         self.rest_app.begin_drain(settings.drain_timeout_s)
         if self.acceptor is not None:

@@ -79,7 +79,7 @@ def load_tensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str
     header, body = _split(data, where)
     metadata = _metadata(header.pop("__metadata__", None), where)
     entries = [_entry(name, info, len(body), where) for name, info in header.items()]
-    _refuse_overlaps(entries, len(body), where)
+    _refuse_bad_layout(entries, len(body), where)
     tensors: dict[str, np.ndarray] = {}
     stored: dict[str, str] = {}
     for e in entries:
@@ -175,7 +175,7 @@ def _entry(name: str, info: object, body_size: int, where: str) -> _Entry:
     return _Entry(name, dtype, tuple(shape), start, end)
 
 
-def _refuse_overlaps(entries: list[_Entry], body_size: int, where: str) -> None:
+def _refuse_bad_layout(entries: list[_Entry], body_size: int, where: str) -> None:
     """Refuse tensors sharing bytes, gaps between them, and bytes after the last: the format packs tensors back
     to back from the start of the data to its end (the safetensors library refuses anything else too), so the
     header was edited or the file is corrupt."""

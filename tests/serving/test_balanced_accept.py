@@ -218,3 +218,30 @@ def test_new_connections_are_refused_once_the_drain_begins(tmp_path, balance):
         rc = stop_server(proc) if proc.poll() is None else proc.wait()
         held.join(30)
     assert rc == 0
+
+
+@pytest.mark.asyncio
+async def test_a_connection_its_client_reset_before_the_accept_is_skipped():
+    # accept() raises ECONNABORTED when the client resets a queued connection; that escaped the reader callback
+    listener, table, acceptors, protocols = await _frontends(1)
+    real = acceptors[0]._sock
+    aborts = []
+
+    class Aborting:
+        def accept(self):
+            if not aborts:
+                aborts.append(1)
+                raise ConnectionAbortedError(103, "Software caused connection abort")
+            return real.accept()
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    acceptors[0]._sock = Aborting()
+    errors = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
+    socks = await _connect(listener.getsockname()[1], 2)
+    await _wait_for(lambda: table.counts[0] == 2)
+    assert aborts and errors == [] and len(protocols[0]) == 2
+    acceptors[0]._sock = real
+    _close(listener, acceptors, socks)

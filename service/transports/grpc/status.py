@@ -77,10 +77,8 @@ def _wrap(behavior, parse, client_streaming: bool, calls: CallTracker | None):
             except aio.AbortError:
                 raise
             except asyncio.CancelledError:
-                error = calls.answer_for(task) if calls is not None else None
-                if error is None:  # not the drain's cut-off: the call stays cancelled
+                if not await _answer_cut_off(calls, task, context):
                     raise
-                await _abort(context, error)
             except Exception as exc:
                 await _abort(context, exc)
             finally:
@@ -95,10 +93,8 @@ def _wrap(behavior, parse, client_streaming: bool, calls: CallTracker | None):
         except aio.AbortError:
             raise
         except asyncio.CancelledError:
-            error = calls.answer_for(task) if calls is not None else None
-            if error is None:  # not the drain's cut-off: the call stays cancelled
+            if not await _answer_cut_off(calls, task, context):
                 raise
-            await _abort(context, error)
         except Exception as exc:
             await _abort(context, exc)
         finally:
@@ -111,6 +107,16 @@ def _enter(calls: CallTracker | None) -> asyncio.Task | None:
     if calls is not None and task is not None:
         calls.running.add(task)
     return task
+
+
+async def _answer_cut_off(calls: CallTracker | None, task: asyncio.Task | None, context: aio.ServicerContext) -> bool:
+    """End a cancelled call with the drain's answer when the drain cut it off (AbortError); False when the
+    cancellation is someone else's (the client went away, grpc's stop): the caller re-raises it then."""
+    error = calls.answer_for(task) if calls is not None else None
+    if error is None:
+        return False
+    await _abort(context, error)
+    return True
 
 
 def _leave(calls: CallTracker | None, task: asyncio.Task | None) -> None:

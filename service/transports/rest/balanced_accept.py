@@ -108,8 +108,9 @@ class BalancedAcceptor:
             return
         try:
             conn, _ = self._sock.accept()
-        except (BlockingIOError, InterruptedError):
-            self._defers = 0  # another front-end took it: the next connection starts the count again
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            # another front-end took it, or its client gave up before the accept: the next one starts the count again
+            self._defers = 0
             return
         except OSError as exc:
             if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
