@@ -13,6 +13,11 @@ lie in ordinary memory and batches merge on the host. Run it from two checkouts 
 code versions without the noise of whole-server runs (autotuning, the host's other load).
 
     python bench/batch_launch.py [--device cuda] [--batches 8,19,32,64] [--reps 200] [--arena]
+
+``--between-us 0,500``: before each launch the thread also runs that many µs of other Python work
+(pickling message-like frames, walking a few MB of objects), untimed, as the server's thread reads and answers
+front-end messages between launches; a launch that costs more after it is paying for cold caches, not for
+its own work.
 """
 from __future__ import annotations
 
@@ -77,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="8,19,32,64")
     p.add_argument("--reps", type=int, default=200)
     p.add_argument("--arena", action="store_true", help="parts in an announced shared mapping (see above)")
+    p.add_argument("--between-us", default="0",
+                   help="µs of other Python work before each launch, comma-separated for several rows (see above)")
     p.add_argument("--profile", type=Path, default=None,
                    help="write a cProfile of the timed batches (launch and finish) here, as text")
     args = p.parse_args(argv)
@@ -97,9 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"host ms per batch on the launching thread (median of {args.reps}), engine {engine.name}, "
           f"LSTM I=40 H=128, lengths 20..200, many-to-one, one batch in flight behind another, parts in "
           f"{'a mapped arena' if args.arena else 'ordinary memory'}")
-    print("| sequences | parts | launch_batch ms | finish_batch ms | per sequence µs | wall ms per batch |")
-    print("|--:|--:|--:|--:|--:|--:|")
-    for b in (int(s) for s in args.batches.split(",")):
+    print("| sequences | parts | other work µs | launch_batch ms | finish_batch ms | per sequence µs | wall ms per batch |")
+    print("|--:|--:|--:|--:|--:|--:|--:|")
+    churn = Churn()
+    for b, between in ((int(s), int(u)) for s in args.batches.split(",") for u in args.between_us.split(",")):
         pool = [make_parts(rng, b, 40, place) for _ in range(16)]
         launches, finishes, prev = [], [], None
         profiler = None
@@ -112,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                     profiler = cProfile.Profile()
                     profiler.enable()
             parts = pool[rep % len(pool)]
+            if between:
+                churn.run(between * 1e-6)
             t0 = time.perf_counter()
             merged, launched = launch_batch(engine, parts)
             t1 = time.perf_counter()
@@ -130,10 +140,30 @@ def main(argv: list[str] | None = None) -> int:
         if profiler is not None:
             _write_profile(profiler, args.profile, b, args.reps)
         launch_ms, finish_ms = 1e3 * statistics.median(launches), 1e3 * statistics.median(finishes)
-        print(f"| {b} | {len(pool[0])} | {launch_ms:.3f} | {finish_ms:.3f} | {1e3 * (launch_ms + finish_ms) / b:.1f} | {wall_ms:.3f} |",
+        print(f"| {b} | {len(pool[0])} | {between} | {launch_ms:.3f} | {finish_ms:.3f} | {1e3 * (launch_ms + finish_ms) / b:.1f} | {wall_ms:.3f} |",
               flush=True)
     engine.close()
     return 0
+
+
+class Churn:
+    """Python work unrelated to the launch, standing in for reading and answering front-end messages."""
+
+    def __init__(self) -> None:
+        self.frame = {"model": "bench", "version": "1", "id": "r-17", "outputs": ["output_last"],
+                      "x": np.zeros((1, 120, 40), np.float32), "lengths": np.array([120])}
+        self.objects = [{"k": i, "v": (i, str(i))} for i in range(200_000)]  # ~40 MB of small objects
+        self.pos = 0
+
+    def run(self, seconds: float) -> None:
+        import pickle
+
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pickle.loads(pickle.dumps(self.frame))
+            window = self.objects[self.pos:self.pos + 2000]
+            self.pos = (self.pos + 2000) % len(self.objects)
+            sum(d["k"] for d in window)
 
 
 def _write_profile(profiler, path: Path, batch: int, reps: int) -> None:
