@@ -4,8 +4,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-HTTP_PORT ?= 8000
-GRPC_PORT ?= 8001
+# `make serve HTTP_PORT=9000`, or the server's own variables (`RNNSERVE_HTTP_PORT=9000 make serve`)
+HTTP_PORT ?= $(or $(RNNSERVE_HTTP_PORT),8000)
+GRPC_PORT ?= $(or $(RNNSERVE_GRPC_PORT),8001)
+REPOSITORY ?= $(or $(RNNSERVE_REPOSITORY),models)
+DEVICE ?= $(or $(RNNSERVE_DEVICE),auto)
 
 .PHONY: serve test gpu-test bench-cpu models clean
 
@@ -22,7 +25,7 @@ $(VENV)/.test: $(VENV)/.core
 	touch $@
 
 serve: $(VENV)/.core
-	$(PY) -m service.cli serve --repository models --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --device auto
+	$(PY) -m service.cli serve --repository $(REPOSITORY) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --device $(DEVICE)
 
 test: $(VENV)/.test
 	KERAS_BACKEND=torch $(PY) -m pytest -q -p no:cacheprovider

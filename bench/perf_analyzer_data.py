@@ -8,7 +8,7 @@ single-sequence requests (``input`` [1, T, I] of seeded random values, ``lengths
 with T drawn from ``--min-len``..``--max-len``. perf_analyzer cycles through them::
 
     python bench/perf_analyzer_data.py --url localhost:8000 --model forecaster --out /tmp/forecaster.json
-    perf_analyzer -m forecaster --input-data /tmp/forecaster.json --concurrency-range 1:64:x2 [-i grpc -u localhost:8001]
+    perf_analyzer -m forecaster --input-data /tmp/forecaster.json --concurrency-range 8:64:8 [-i grpc -u localhost:8001]
 
 Optional inputs without data (``h_0``, ``c_0``) are not sent. Standard library only.
 :func:`perf_analyzer_env` finds perf_analyzer and the CUDA 12 runtime library it links.

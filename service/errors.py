@@ -97,6 +97,14 @@ class EngineUnavailable(RNNServeError):
     status = "UNAVAILABLE"
 
 
+class NoCudaDevice(EngineUnavailable):
+    """The machine has no CUDA device for the cuDNN engine (no NVIDIA device, or none the driver reports).
+
+    ``--device auto`` on a CPU machine meets this for every model; it is the expected
+    case there, not a fault, so it is logged at info level where other failures warn.
+    """
+
+
 class Unimplemented(RNNServeError):
     """A protocol feature rnnserve does not serve (one of Triton's extensions); the message says what instead."""
 

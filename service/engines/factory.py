@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..errors import EngineUnavailable, InvalidInput
+from ..errors import EngineUnavailable, InvalidInput, NoCudaDevice
 from ..repository import PackedModel
 from .base import Engine
 
@@ -37,5 +37,7 @@ def create_engine(model: PackedModel, device: str = "cpu", **options: Any) -> En
     except EngineUnavailable as exc:
         if device == "cuda":
             raise
-        log.warning("device auto: model '%s' runs on the reference engine: %s", model.name or "?", exc)
+        # a machine without a GPU is what "auto" is for; a GPU that fails, or a model cuDNN cannot run, is not
+        level = logging.INFO if isinstance(exc, NoCudaDevice) else logging.WARNING
+        log.log(level, "device auto: model '%s' runs on the reference engine: %s", model.name or "?", exc)
         return create_engine(model, "cpu")

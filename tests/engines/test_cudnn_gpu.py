@@ -9,6 +9,8 @@ bfloat16 (8-bit mantissa) to 5e-2.
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
 
 import numpy as np
 import pytest
@@ -566,16 +568,27 @@ def test_cuda_without_gpu_raises_engine_unavailable():
         create_engine(_tiny_model(), "cuda")
 
 
+def _fallback_levels(caplog) -> list[int]:
+    return [r.levelno for r in caplog.records if "runs on the reference engine" in r.getMessage()]
+
+
 @pytest.mark.skipif(_has_gpu(), reason="checks the fallback on a machine without a GPU")
-def test_auto_without_gpu_falls_back_to_reference():
+def test_auto_without_gpu_falls_back_to_reference(caplog):
+    caplog.set_level(logging.INFO, logger="rnnserve.engines")
     assert isinstance(create_engine(_tiny_model(), "auto"), ReferenceEngine)
+    # a CPU machine is what "auto" is for: no warning per model; a machine with the NVIDIA driver whose GPU
+    # does not work is a fault, and warns
+    expected = logging.WARNING if os.path.exists("/dev/nvidiactl") else logging.INFO
+    assert _fallback_levels(caplog) == [expected]
 
 
-def test_variant_is_refused_by_name_and_auto_falls_back():
+def test_variant_is_refused_by_name_and_auto_falls_back(caplog):
+    caplog.set_level(logging.INFO, logger="rnnserve.engines")
     model = _tiny_model({"peephole": True})
     with pytest.raises(EngineUnavailable, match="block 0 uses variant 'peephole' which cuDNN cannot run"):
         CudnnEngine(model)
     assert isinstance(create_engine(model, "auto"), ReferenceEngine)
+    assert _fallback_levels(caplog) == [logging.WARNING]  # the model, not the machine: worth a warning
 
 
 def test_library_search_names_everything_tried(tmp_path):

@@ -17,6 +17,7 @@ results are returned as float32, since NumPy and CuPy have no bfloat16 dtype.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import replace
@@ -24,7 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ...errors import EngineUnavailable, InvalidInput
+from ...errors import EngineUnavailable, InvalidInput, NoCudaDevice
 from ...repository import PackedModel
 from ..base import BlockState, Engine, EngineOutput, Launched, check_block_states, check_forward_args
 from ..state_pool import PooledRows, StatePool
@@ -48,18 +49,22 @@ LAYOUTS = ("batch_major", "seq_major")
 
 
 def _import_cupy():
+    # Without the NVIDIA driver's control device there is no GPU to miss: that is a CPU machine,
+    # where a missing CuPy or CUDA runtime is expected. With it, the same failures are faults.
+    cpu_machine = not os.path.exists("/dev/nvidiactl")
     try:
         import cupy as cp
     except Exception as exc:  # ImportError, or a CUDA library that fails to load
-        raise EngineUnavailable(
+        raise (NoCudaDevice if cpu_machine else EngineUnavailable)(
             f"the cuDNN engine needs CuPy (pip install 'rnnserve[gpu]'), which could not be imported: {exc}"
         ) from exc
     try:
         count = cp.cuda.runtime.getDeviceCount()
     except Exception as exc:
-        raise EngineUnavailable(f"the cuDNN engine found no usable CUDA GPU: {exc}") from exc
+        raise (NoCudaDevice if cpu_machine else EngineUnavailable)(
+            f"the cuDNN engine found no usable CUDA GPU: {exc}") from exc
     if count < 1:
-        raise EngineUnavailable("the cuDNN engine found no CUDA GPU on this machine")
+        raise NoCudaDevice("the cuDNN engine found no CUDA GPU on this machine")
     return cp, count
 
 
