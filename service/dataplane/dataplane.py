@@ -13,7 +13,7 @@ from functools import partial
 from typing import Any
 
 from .. import __version__
-from ..errors import RNNServeError, StaleModelView, Unavailable
+from ..errors import InvalidInput, RNNServeError, StaleModelView, Unavailable
 from ..metrics import ServerMetrics, observe_many
 from ..registry import ModelRegistry, ModelState, ServedVersion
 from ..scheduler import SequenceWork
@@ -96,6 +96,9 @@ class DataPlane:
     async def model_statistics(self, name: str = "", version: str = "") -> list[dict]:
         """Triton's statistics of every ready version (no ``name``), of a model's ready versions (no
         ``version``), or of one version (see :mod:`.statistics`)."""
+        if version and not name:
+            raise InvalidInput(f"statistics of version '{version}' need a model name; leave out the version for "
+                               f"every model's statistics")
         if version:
             versions = [self.registry.serving(name, version)]
         else:
@@ -305,6 +308,7 @@ class DataPlane:
     # ---- repository extension --------------------------------------------------------------------------------
 
     async def repository_index(self, ready_only: bool = False) -> list[dict]:
+        await self.registry.forget_removed()  # the index lists the repository as it is, not as it was
         return self.registry.index(ready_only)
 
     async def render_metrics(self) -> bytes:

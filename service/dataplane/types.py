@@ -28,8 +28,10 @@ def numpy_dtype(datatype: str) -> np.dtype:
     try:
         return DATATYPES[datatype]
     except KeyError:
+        # every rnnserve model takes the same tensors, so name what they take, not every type the protocol has
         raise InvalidInput(
-            f"datatype '{datatype}' is not supported; use one of {', '.join(DATATYPES)}"
+            f"datatype '{datatype}' is not supported; rnnserve's models take FP32, FP16 or FP64 for input, h_0 and "
+            f"c_0, and INT32 or INT64 for lengths"
         ) from None
 
 

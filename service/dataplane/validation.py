@@ -170,7 +170,7 @@ def _float_tensor(t: InferTensor, model: str) -> np.ndarray:
         raise InvalidInput(f"input '{t.name}' has datatype {t.datatype}; send {', '.join(FLOAT_TYPES)}")
     arr = np.asarray(t.data)
     with np.errstate(over="ignore"):  # an FP64 value past FP32's range becomes inf, refused just below
-        out = np.ascontiguousarray(arr, dtype=np.float32)
+        out = np.asarray(arr, dtype=np.float32, order="C")  # (ascontiguousarray makes a scalar 1-d: shape [] read [1])
     if not np.isfinite(out).all():
         bad = tuple(int(i) for i in np.argwhere(~np.isfinite(out))[0])
         if np.isfinite(arr[bad]):

@@ -211,12 +211,32 @@ class ModelRegistry:
                                f"with a letter or digit")
         model_dir = self.repository / name
         if not model_dir.is_dir():
-            if name in self._models and not self._models[name].versions:
-                del self._models[name]
+            await self._forget_removed(name)
             raise NotFound(f"no model '{name}' in repository {self.repository} (expected folder {model_dir})")
         entry = self._models.setdefault(name, ModelEntry(name))
         async with entry.lock:
             await self._load_locked(entry, model_dir)
+
+    async def forget_removed(self) -> None:
+        """Drop what lost its folder: a deleted model's versions that do not serve (failed or unloaded), and the
+        model once none remain. Before, such a model stayed in the index for good, and its metadata answered
+        503 "not ready" instead of 404. A model being loaded is left to its load."""
+        for name in [n for n in self._models if not (self.repository / n).is_dir()]:
+            entry = self._models.get(name)
+            if entry is not None and not entry.lock.locked():
+                await self._forget_removed(name)
+
+    async def _forget_removed(self, name: str) -> None:
+        entry = self._models.get(name)
+        if entry is None:
+            return
+        async with entry.lock:
+            for v, sv in list(entry.versions.items()):
+                if sv.state not in (ModelState.READY, ModelState.LOADING):
+                    await self._retire(sv, drain=True)
+                    del entry.versions[v]
+            if not entry.versions and self._models.get(name) is entry:
+                del self._models[name]
 
     async def _load_locked(self, entry: ModelEntry, model_dir: Path) -> None:
         try:

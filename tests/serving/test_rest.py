@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -211,8 +212,23 @@ BAD = [
     ("lstm", {"inputs": [_inp(), _inp("lengths", "INT64", (1,), [2 ** 70])]}, 400, "must be whole numbers"),
     ("lstm", {"inputs": [_inp(datatype="INT32", data=[-2 ** 70] * 8)]}, 400, "must be whole numbers"),
     ("lstm", {"inputs": [_inp(), _inp("lengths", "INT32", (1,), [3.0])]}, 400, "lengths[0] = 3 is out of range"),
-    ("lstm", {"inputs": [_inp(data=[2 ** 1100] + [0] * 7)]}, 400, "is FP32: its data must be JSON numbers within its range"),
-    ("lstm", {"inputs": [_inp(data=[1e300] + [0] * 7)]}, 400, "contains NaN or infinite values (first at index [0, 0, 0])"),
+    ("lstm", {"inputs": [_inp(data=[2 ** 1100] + [0] * 7)]}, 400, "is FP32: an integer in its data is too large for any float"),
+    # finite JSON numbers past FP32's or FP16's range were "NaN or infinite" (the cast had made them inf)
+    ("lstm", {"inputs": [_inp(data=[0, 1e300] + [0] * 6)]}, 400, "input 'input' has 1e+300 at index [0, 0, 1], outside FP32's range"),
+    ("lstm", {"inputs": [_inp(data=[1e39] + [0] * 7)]}, 400, "input 'input' has 1e+39 at index [0, 0, 0], outside FP32's range"),
+    ("lstm", {"inputs": [_inp(datatype="FP16", data=[70000.0] + [0] * 7)]}, 400, "has 70000.0 at index [0, 0, 0], outside FP16's range"),
+    # a BOOL input was told its data must be numbers; BYTES was offered every numeric type the protocol has
+    ("lstm", {"inputs": [_inp(datatype="BOOL", data=[True] * 8)]}, 400, "input 'input' has datatype BOOL; send FP32, FP16, FP64"),
+    ("lstm", {"inputs": [_inp(datatype="BOOL", data=[1] * 8)]}, 400, "input 'input' is BOOL: its data must be JSON true or false"),
+    ("lstm", {"inputs": [_inp(datatype="BYTES")]}, 400,
+     "datatype 'BYTES' is not supported; rnnserve's models take FP32, FP16 or FP64 for input, h_0 and c_0, and INT32 or INT64 for lengths"),
+    # a lone UTF-16 surrogate (legal JSON, not Unicode) made the error answer itself fail: a bare 500
+    ("lstm", {"inputs": [_inp(shape=(), data=[1.0])]}, 400, "input 'input' must have 3 dimensions [batch, time, features], got shape []"),
+    ("lstm", {"inputs": [_inp(name="\ud800")]}, 400, "a lone UTF-16 surrogate (\\ud800)"),
+    ("lstm", {"inputs": [_inp(datatype="\ud800")]}, 400, "a lone UTF-16 surrogate (\\ud800)"),
+    ("lstm", {"inputs": [_inp()], "outputs": [{"name": "\udfff"}]}, 400, "a lone UTF-16 surrogate (\\udfff)"),
+    ("lstm", {"id": "\udc00", "inputs": [_inp()]}, 400, "a lone UTF-16 surrogate (\\udc00)"),
+    ("lstm", {"inputs": [_inp()], "parameters": {"sequence_id": "\ud800", "sequence_end": True}}, 400, "lone UTF-16"),
     ("lstm", {"inputs": [_inp(shape=(2 ** 40, 0, 2 ** 40), data=[])]}, 400, "whose dimensions multiply to more than 2**48"),
     # NumPy makes no array of over 64 dimensions: a 500 before the check
     ("lstm", {"inputs": [_inp(shape=(1,) * 65, data=[0])]}, 400, "input 'input' has 65 dimensions; rnnserve's tensors have 1 to 3"),
@@ -285,6 +301,14 @@ async def test_malformed_bodies(repo):
     async with rest_client(repo, max_request_bytes=4096) as (client, _):
         r = await client.post("/v2/models/lstm/infer", content=b"{not json")
         assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
+        assert "Inference-Header-Content-Length" not in r.json()["error"]  # nothing suggests binary tensors
+        r = await client.post("/v2/models/lstm/infer", content=b'{"inputs": []}\x00\x00\x80?')
+        assert r.status_code == 400 and "needs the Inference-Header-Content-Length header" in r.json()["error"]
+        r = await client.post("/v2/models/lstm/infer", content=b"")
+        assert r.status_code == 400 and r.json()["error"] == "request body is empty; send a JSON object with an 'inputs' list"
+        r = await client.post("/v2/models/lstm/infer", content=b"{}", headers={"Inference-Header-Content-Length": "0"})
+        assert r.status_code == 400 and "Inference-Header-Content-Length is 0, so the request has no JSON header" \
+            in r.json()["error"], r.text
         r = await client.post("/v2/models/lstm/infer", content=b"x" * 5000)
         assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]
         nested = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 1, 4],
@@ -458,6 +482,28 @@ async def test_a_reload_retires_the_versions_its_policy_drops(repo):
         assert r.status_code == 200 and r.json()["model_version"] == "1"
 
 
+async def test_a_deleted_model_folder_leaves_the_index(repo):
+    # a version that failed to load, then its folder deleted: listed for good, and metadata said 503 "not ready"
+    broken = repo / "broken" / "1"
+    broken.mkdir(parents=True)
+    (broken / "model.safetensors").write_bytes(b"not a model")
+    async with rest_client(repo) as (client, _):
+        rows = {r["name"]: r for r in (await client.post("/v2/repository/index")).json()}
+        assert rows["broken"]["state"] == "UNAVAILABLE"
+        shutil.rmtree(repo / "broken")
+        assert [r["name"] for r in (await client.post("/v2/repository/index")).json()] == ["gru_bi", "lstm"]
+        r = await client.get("/v2/models/broken")
+        assert r.status_code == 404 and "unknown model 'broken'" in r.json()["error"]
+        # an unloaded model whose folder goes leaves too; a serving one keeps serving until it is unloaded
+        assert (await client.post("/v2/repository/models/gru_bi/unload")).status_code == 200
+        shutil.rmtree(repo / "gru_bi")
+        shutil.rmtree(repo / "lstm")
+        r = await client.post("/v2/repository/models/gru_bi/load")
+        assert r.status_code == 404 and "no model 'gru_bi'" in r.json()["error"]
+        assert [r["name"] for r in (await client.post("/v2/repository/index")).json()] == ["lstm"]
+        assert (await client.post("/v2/models/lstm/infer", json={"inputs": [_inp()]})).status_code == 200
+
+
 async def test_version_policy(repo):
     for v in (2, 3):
         make_model(*LSTM, seed=10 + v).save(repo, "lstm", v)
@@ -557,3 +603,12 @@ async def test_fastapi_infer_route_answers_like_the_fast_path(repo):
                 a, b = await fast.post(path, json=body), await routed.post(path, json=body)
                 assert a.status_code == b.status_code and a.json() == b.json(), path
     assert [r for r in app.routes if getattr(r, "path", "") == "/v2/models/{model}/infer"]
+
+
+async def test_an_error_quoting_a_lone_surrogate_still_answers():
+    # decoding refuses such strings first; this is the answer's own guard, for any other way one gets in
+    from service.errors import InvalidInput
+    from service.transports.rest.responses import error_response
+
+    r = error_response(InvalidInput("unknown input '\ud800'"))
+    assert r.status_code == 400 and json.loads(r.body) == {"error": "unknown input '\\ud800'"}

@@ -128,6 +128,11 @@ def test_tritonclient_reads_config_and_statistics_over_http_and_grpc(server_proc
     try:
         grpc_config = grpc_client.get_model_config("gru_bi", as_json=True)["config"]
         grpc_stats = grpc_client.get_inference_statistics("gru_bi", as_json=True)
+        # a version without a model name was "unknown model ''"
+        with pytest.raises(tg.InferenceServerException) as info:
+            grpc_client.get_inference_statistics("", model_version="1")
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "statistics of version '1' need a model name" in info.value.message()
     finally:
         grpc_client.close()
     assert config["name"] == grpc_config["name"] == "gru_bi"

@@ -33,7 +33,7 @@ def parse_json(body: bytes | str) -> Any:
     Nesting deeper than Python's recursion limit is refused like any other bad JSON (the
     decoder raises RecursionError there, which would otherwise become a 500)."""
     try:
-        return json.loads(body)
+        doc = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         if "integer string conversion" in str(exc):
             # Python's own message names sys.set_int_max_str_digits, a remedy for the server, not the client
@@ -44,6 +44,31 @@ def parse_json(body: bytes | str) -> Any:
     except RecursionError:
         raise InvalidInput("request body is not valid JSON for this server: it nests arrays or objects "
                            "too deeply; send tensor data as a flat list (or nested only as deep as its shape)") from None
+    # JSON may escape half of a UTF-16 surrogate pair on its own ("\ud800"), which decodes to a string no
+    # UTF-8 can hold: quoted in an answer or an error it made that answer fail. Only a body with such an
+    # escape is walked (a byte search first: one in a string is rare, and a walk visits every value).
+    escapes = (b"\\ud", b"\\uD") if isinstance(body, bytes) else ("\\ud", "\\uD")
+    if any(escape in body for escape in escapes):
+        _refuse_lone_surrogates(doc)
+    return doc
+
+
+def _refuse_lone_surrogates(doc: Any) -> None:
+    stack = [doc]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                bad = value[exc.start:exc.end].encode("utf-8", "backslashreplace").decode("ascii")
+                raise InvalidInput(f"request body holds a string with a lone UTF-16 surrogate ({bad}), which is not "
+                                   f"Unicode text; send names, ids and parameters as valid UTF-8") from None
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(v for v in value if isinstance(v, (str, dict, list)))
 
 
 def header_length(text: str | None) -> int | None:
@@ -68,10 +93,16 @@ def decode_request(body: bytes, n: int | None, model: str, version: str) -> Infe
         head, binary = body[:n], memoryview(body)[n:]
     else:
         head, binary = body, memoryview(b"")
+    if len(head) < 64 and not head.strip():  # (a short test: strip copies, and bodies run to megabytes)
+        if n is None:
+            raise InvalidInput("request body is empty; send a JSON object with an 'inputs' list")
+        raise InvalidInput(f"header {HEADER} is {n}, so the request has no JSON header; set it to the length in "
+                           f"bytes of the JSON that starts the body")
     try:
         doc = parse_json(head)
     except InvalidInput as exc:
-        if n is None:
+        # JSON followed by more bytes, or bytes that are no text: what binary tensors without the header look like
+        if n is None and ("Extra data" in exc.message or "codec can't decode" in exc.message):
             raise InvalidInput(f"{exc.message} (a body with binary tensors after its JSON needs the {HEADER} "
                                f"header)") from None
         raise
@@ -157,13 +188,14 @@ def _decode_input(item: Any, binary: memoryview, offset: int, booleans: bool = T
         return InferTensor(name, datatype, shape, arr, params), size
     if "data" not in item:
         raise InvalidInput(f"input '{name}' has neither 'data' nor a binary_data_size parameter")
-    arr = _json_values(name, datatype, dtype, item["data"], booleans)
+    arr = _json_values(name, datatype, dtype, item["data"], booleans, shape)
     if arr.size != count:
         raise InvalidInput(f"input '{name}' has {arr.size} values but shape {shape} needs {count}")
     return InferTensor(name, datatype, shape, arr.reshape(shape), params), 0
 
 
-def _json_values(name: str, datatype: str, dtype: np.dtype, data: Any, booleans: bool = True) -> np.ndarray:
+def _json_values(name: str, datatype: str, dtype: np.dtype, data: Any, booleans: bool = True,
+                 shape: list[int] | None = None) -> np.ndarray:
     """The JSON ``data`` of an input as an array of ``dtype`` (InvalidInput saying what to change).
 
     Integer types take whole numbers only (3 or 3.0), in range: NumPy would cut 2.7 to 2 (a length
@@ -177,13 +209,31 @@ def _json_values(name: str, datatype: str, dtype: np.dtype, data: Any, booleans:
         if booleans and raw.dtype.kind in "iuf" and _holds_bool(data):
             raise InvalidInput(f"input '{name}' is {datatype}: its data must be JSON numbers, got true or false "
                                f"among them (no booleans, strings or nulls)")
+        if dtype.kind == "b":
+            if raw.dtype.kind != "b":
+                raise InvalidInput(f"input '{name}' is BOOL: its data must be JSON true or false")
+            return raw
         if dtype.kind not in "iu":
+            if raw.dtype == object:
+                raw = _big_integers(name, datatype, raw)
             # NumPy would read true as 1.0 and "2.5" as 2.5; JSON numbers only, as Triton takes them.
             if raw.dtype.kind not in "iuf":
                 raise InvalidInput(f"input '{name}' is {datatype}: its data must be JSON numbers "
                                    f"within its range (no booleans, strings or nulls)")
-            with np.errstate(over="ignore"):  # past FP16/FP32 range: inf, which validation refuses by name
-                return raw.astype(dtype, copy=False)
+            with np.errstate(over="ignore"):
+                out = raw.astype(dtype, copy=False)
+            if out.dtype != raw.dtype and not np.isfinite(out).all():
+                # a finite number past FP16's or FP32's range became inf: say so, not "NaN or infinite"
+                past = ~np.isfinite(out) & np.isfinite(raw)
+                if past.any():
+                    at = tuple(int(i) for i in np.argwhere(past)[0])
+                    # flat data: name the value by its index in the tensor, as validation names others
+                    index = [int(i) for i in np.unravel_index(int(np.flatnonzero(past)[0]), shape)] \
+                        if shape is not None and raw.size == math.prod(shape) else list(at)
+                    raise InvalidInput(f"input '{name}' has {raw[at].item()!r} at index {index}, outside "
+                                       f"{datatype}'s range (up to about {float(np.finfo(dtype).max):.4g}); send "
+                                       f"values within it")
+            return out
         info = np.iinfo(dtype)
         whole = raw.dtype.kind in "iu" or (
             raw.dtype.kind == "f" and bool(np.all(np.isfinite(raw) & (raw == np.round(raw)))))
@@ -194,6 +244,19 @@ def _json_values(name: str, datatype: str, dtype: np.dtype, data: Any, booleans:
     except (ValueError, TypeError, OverflowError) as exc:
         raise InvalidInput(f"input '{name}' data cannot be read as {datatype} (nested lists must be "
                            f"rectangular numbers within its range): {exc}") from exc
+
+
+def _big_integers(name: str, datatype: str, raw: np.ndarray) -> np.ndarray:
+    """An object array NumPy made of integer literals past int64, as float64 (a float input takes them: 1e20
+    written out in digits is a number like any other); anything else in it is left for the caller to refuse."""
+    flat = raw.ravel()
+    if not all(type(v) is int for v in flat):
+        return raw
+    try:
+        return np.array([float(v) for v in flat], np.float64).reshape(raw.shape)
+    except OverflowError:
+        raise InvalidInput(f"input '{name}' is {datatype}: an integer in its data is too large for any float; "
+                           f"send values within its range") from None
 
 
 def _holds_bool(data: Any) -> bool:

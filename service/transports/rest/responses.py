@@ -27,7 +27,14 @@ class RequestTooLarge(TooLarge):
 def error_response(exc: RNNServeError) -> JSONResponse:
     """The one way an error leaves the REST transport."""
     code = STATUS_TABLE.get(exc.status, STATUS_TABLE["INTERNAL"])[0]
-    return JSONResponse({"error": exc.message}, status_code=code)
+    message = exc.message
+    try:
+        message.encode("utf-8")
+    except UnicodeEncodeError:
+        # a message quoting a client's string with a lone surrogate in it cannot be sent as UTF-8 JSON;
+        # unescaped it made this answer itself fail (a bare 500, the connection closed)
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    return JSONResponse({"error": message}, status_code=code)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
