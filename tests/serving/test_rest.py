@@ -357,6 +357,9 @@ async def test_v1_predict_ragged(repo):
             ({"instances": [[[1, 2, 3, True]]]}, "invalid request body: instances.0.0.3: Input should be a valid number"),
             ({"instances": [[[1, 2, 3, "4"]]]}, "invalid request body: instances.0.0.3: Input should be a valid number"),
             ({"instances": [[[1, 2, 3, 4]]], "outputs": ["zzz"]}, "invalid request body: outputs"),
+            # finite, past FP32's range: was "NaN or infinite"
+            ({"instances": [[[1, 2, 3, 4]], [[1, 2, 3, 4], [1, 1e39, 3, 4]]]},
+             "instances[1][1][1] is 1e+39, outside FP32's range"),
         ]:
             r = await client.post("/v1/models/gru_bi:predict", json=body)
             assert r.status_code == 400 and message in r.json()["error"], (body, r.text)

@@ -74,9 +74,17 @@ def to_infer_request(model: str, body: PredictRequest, limit: int | None = None)
         lengths.append(len(seq))
     t_max = max(lengths)
     x = np.zeros((len(lengths), t_max, width or 0), dtype=np.float32)
-    with np.errstate(over="ignore"):  # past FP32's range: inf, which validation refuses by name
+    with np.errstate(over="ignore"):  # past FP32's range: inf, refused here by value (NaN and inf by validation)
         for i, seq in enumerate(body.instances):
-            x[i, :lengths[i]] = np.asarray(seq, dtype=np.float32)
+            row = x[i, :lengths[i]]
+            row[...] = seq
+            if not np.isfinite(row).all():
+                exact = np.asarray(seq, dtype=np.float64)
+                past = np.isfinite(exact) & ~np.isfinite(row)
+                if past.any():
+                    t, f = (int(k) for k in np.argwhere(past)[0])
+                    raise InvalidInput(f"instances[{i}][{t}][{f}] is {float(exact[t, f])!r}, outside FP32's range (the models "
+                                       f"compute in FP32, up to about 3.4e38); send values within it")
     lens = np.asarray(lengths, dtype=np.int64)
     outputs = [RequestedOutput(n) for n in (body.outputs or ["output_last", "output"])]
     bound = None if limit is None else AnswerLimit(
