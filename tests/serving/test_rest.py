@@ -220,6 +220,7 @@ BAD = [
     # a BOOL input was told its data must be numbers; BYTES was offered every numeric type the protocol has
     ("lstm", {"inputs": [_inp(datatype="BOOL", data=[True] * 8)]}, 400, "input 'input' has datatype BOOL; send FP32, FP16, FP64"),
     ("lstm", {"inputs": [_inp(datatype="BOOL", data=[1] * 8)]}, 400, "input 'input' is BOOL: its data must be JSON true or false"),
+    ("lstm", {"inputs": [_inp(datatype="BOOL", data=[1] + [True] * 7)]}, 400, "input 'input' is BOOL: its data must be JSON true or false"),
     ("lstm", {"inputs": [_inp(datatype="BYTES")]}, 400,
      "datatype 'BYTES' is not supported; rnnserve's models take FP32, FP16 or FP64 for input, h_0 and c_0, and INT32 or INT64 for lengths"),
     # a lone UTF-16 surrogate (legal JSON, not Unicode) made the error answer itself fail: a bare 500

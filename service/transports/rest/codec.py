@@ -206,13 +206,13 @@ def _json_values(name: str, datatype: str, dtype: np.dtype, data: Any, booleans:
         raw = np.asarray(data)
         if raw.size == 0:
             return raw.astype(dtype)
-        if booleans and raw.dtype.kind in "iuf" and _holds_bool(data):
-            raise InvalidInput(f"input '{name}' is {datatype}: its data must be JSON numbers, got true or false "
-                               f"among them (no booleans, strings or nulls)")
         if dtype.kind == "b":
             if raw.dtype.kind != "b":
                 raise InvalidInput(f"input '{name}' is BOOL: its data must be JSON true or false")
             return raw
+        if booleans and raw.dtype.kind in "iuf" and _holds_bool(data):
+            raise InvalidInput(f"input '{name}' is {datatype}: its data must be JSON numbers, got true or false "
+                               f"among them (no booleans, strings or nulls)")
         if dtype.kind not in "iu":
             if raw.dtype == object:
                 raw = _big_integers(name, datatype, raw)
@@ -224,13 +224,13 @@ def _json_values(name: str, datatype: str, dtype: np.dtype, data: Any, booleans:
                 out = raw.astype(dtype, copy=False)
             if out.dtype != raw.dtype and not np.isfinite(out).all():
                 # a finite number past FP16's or FP32's range became inf: say so, not "NaN or infinite"
-                past = ~np.isfinite(out) & np.isfinite(raw)
+                past = (~np.isfinite(out) & np.isfinite(raw)).ravel()
                 if past.any():
-                    at = tuple(int(i) for i in np.argwhere(past)[0])
-                    # flat data: name the value by its index in the tensor, as validation names others
-                    index = [int(i) for i in np.unravel_index(int(np.flatnonzero(past)[0]), shape)] \
-                        if shape is not None and raw.size == math.prod(shape) else list(at)
-                    raise InvalidInput(f"input '{name}' has {raw[at].item()!r} at index {index}, outside "
+                    first = int(np.flatnonzero(past)[0])
+                    # named by its index in the tensor, as validation names others (flat JSON data has none)
+                    index = [int(i) for i in np.unravel_index(first, shape)] \
+                        if shape is not None and raw.size == math.prod(shape) else [first]
+                    raise InvalidInput(f"input '{name}' has {raw.ravel()[first].item()!r} at index {index}, outside "
                                        f"{datatype}'s range (up to about {float(np.finfo(dtype).max):.4g}); send "
                                        f"values within it")
             return out
