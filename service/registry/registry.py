@@ -219,8 +219,8 @@ class ModelRegistry:
 
     async def forget_removed(self) -> None:
         """Drop what lost its folder: a deleted model's versions that do not serve (failed or unloaded), and the
-        model once none remain. Before, such a model stayed in the index for good, and its metadata answered
-        503 "not ready" instead of 404. A model being loaded is left to its load."""
+        model once none remain, so the index lists the repository as it is and such a model's metadata is 404,
+        not 503 "not ready". Serving versions keep serving until unloaded; a model being loaded is left to its load."""
         for name in [n for n in self._models if not (self.repository / n).is_dir()]:
             entry = self._models.get(name)
             if entry is not None and not entry.lock.locked():
