@@ -136,7 +136,8 @@ class Transports:
         except Exception as exc:
             sock.close()
             raise RNNServeError(f"the gRPC server could not start: {exc}") from exc
-        config = uvicorn.Config(create_rest_app(dataplane, settings.max_request_bytes), lifespan="off",
+        rest_app = create_rest_app(dataplane, settings.max_request_bytes, settings.body_timeout_s)
+        config = uvicorn.Config(rest_app, lifespan="off",
                                 log_level=settings.log_level, access_log=settings.log_level == "debug",
                                 timeout_graceful_shutdown=settings.drain_timeout_s)
         http = _UvicornServer(config)

@@ -64,6 +64,12 @@ class ServeSettings(BaseSettings):
         description="Largest request body (HTTP) or message (gRPC) accepted, in bytes. It bounds answers too: gRPC "
                     "messages, and HTTP answers sent as JSON (~20 bytes a number; binary outputs are not held to it).",
     )
+    body_timeout_s: float = Field(
+        60.0, ge=0,
+        description="Longest pause, in seconds, between the parts of an HTTP request body. A client that sends its "
+                    "headers or part of a body and then stops gets 408 and the connection closes, instead of holding "
+                    "it and its buffered bytes for good. 0: no limit.",
+    )
     frontends: int = Field(
         1, ge=1, le=64,
         description="HTTP/gRPC front-end processes. 1 serves everything in one process; N > 1 starts N processes "

@@ -97,7 +97,7 @@ async def rest_client(repository: Path, **settings: Any) -> AsyncIterator[tuple[
     cfg = ServeSettings(repository=repository, device="cpu", **settings)
     dataplane = build_dataplane(cfg)
     await dataplane.start()
-    app = create_rest_app(dataplane, cfg.max_request_bytes)
+    app = create_rest_app(dataplane, cfg.max_request_bytes, cfg.body_timeout_s)
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://rnnserve") as client:
             yield client, dataplane

@@ -20,7 +20,8 @@ from ...errors import InvalidInput, RNNServeError, bounded
 from ...metrics import CONTENT_TYPE_LATEST
 from .codec import HEADER, parameters_of, parse_json
 from .infer import InferFastPath, infer_response
-from .responses import error_response, read_decoded_body
+from .body_watch import BodyWatch
+from .responses import BodyLimits, error_response, read_decoded_body
 from .decode_gate import DecodeGate
 from .json_process import JsonProcess
 from .predict import PredictRequest, PredictResponse, decode_predict, encode_predictions
@@ -49,9 +50,12 @@ _INFER_BODY = {
 }
 
 
-def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1024) -> InferFastPath:
+def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1024,
+                    body_timeout_s: float = 60.0) -> InferFastPath:
     """The ASGI app serving ``dataplane`` (no global state; one app per server): infer requests go straight
-    to their handler, everything else to the FastAPI app (``.app``)."""
+    to their handler, everything else to the FastAPI app (``.app``). Bodies are held to ``max_request_bytes``
+    and may pause at most ``body_timeout_s`` (0: no limit)."""
+    limits = BodyLimits(max_request_bytes, BodyWatch(body_timeout_s))
     # two bodies at the limit decode at once (~25 MB of memory a MB of JSON while it is decoded), in a process
     # of their own (the JSON decoder holds the GIL throughout)
     helper = JsonProcess()
@@ -128,7 +132,7 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
               openapi_extra=_INFER_BODY)
     async def infer(model: str, request: Request, version: str = "") -> Response:
         # Reached only without InferFastPath in front (it answers these paths first); kept for /docs.
-        return await infer_response(dataplane, request, model, version, max_request_bytes, gate)
+        return await infer_response(dataplane, request, model, version, limits, gate)
 
     # The body is parsed here rather than by FastAPI so that `curl -d` without a JSON
     # content type (curl's default is form-urlencoded) still works.
@@ -142,7 +146,7 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
         `output_last` is the output at the sequence's last step (many-to-one); `output` has
         one row per step of that instance.
         """
-        raw = await read_decoded_body(request, max_request_bytes)
+        raw = await read_decoded_body(request, limits)
         req, lengths = await gate.decode(decode_predict, raw, model, max_request_bytes, size=len(raw))
         resp = await dataplane.infer(req)
         # encoded here rather than by FastAPI's response_model, so that a large answer leaves the event loop too
@@ -153,19 +157,19 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
 
     @app.post("/v2/repository/index", tags=["repository"], summary="List models, versions and states")
     async def repository_index(request: Request) -> list[dict]:
-        doc = await _json_or_empty(request, max_request_bytes, gate)
+        doc = await _json_or_empty(request, limits, gate)
         return await dataplane.repository_index(bool_parameter(doc, "ready", "repository index"))
 
     @app.post("/v2/repository/models/{model}/load", tags=["repository"], summary="Load or reload a model")
     async def load(model: str, request: Request) -> dict:
-        doc = await _json_or_empty(request, max_request_bytes, gate)
+        doc = await _json_or_empty(request, limits, gate)
         check_load_parameters(model, parameters_of(doc, "load request"))
         await dataplane.load_model(model)
         return {}
 
     @app.post("/v2/repository/models/{model}/unload", tags=["repository"], summary="Unload a model")
     async def unload(model: str, request: Request) -> dict:
-        doc = await _json_or_empty(request, max_request_bytes, gate)
+        doc = await _json_or_empty(request, limits, gate)
         check_unload_parameters(parameters_of(doc, "unload request"))
         await dataplane.unload_model(model)
         return {}
@@ -187,13 +191,13 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
     for path in ("/v2/models/{model}/trace/setting", "/v2/models/{model}/versions/{version}/trace/setting"):
         app.add_api_route(path, refuse("trace"), methods=["GET", "POST"], include_in_schema=False)
 
-    return InferFastPath(app, dataplane, max_request_bytes, gate, close=lambda: helper.close(wait=True))
+    return InferFastPath(app, dataplane, limits, gate, close=lambda: helper.close(wait=True))
 
 
-async def _json_or_empty(request: Request, max_request_bytes: int, gate: DecodeGate) -> dict:
+async def _json_or_empty(request: Request, limits: BodyLimits, gate: DecodeGate) -> dict:
     """A repository request's JSON object ({} for an empty body), held to the request limit like any body and
     parsed off the event loop when large (a Triton load may carry model files in its overrides)."""
-    body = await read_decoded_body(request, max_request_bytes)
+    body = await read_decoded_body(request, limits)
     if not body.strip():
         return {}
     doc = await gate.decode(parse_json, body, size=len(body))

@@ -29,23 +29,23 @@ from ...dataplane import DataPlane
 from ...errors import RNNServeError, Unavailable, cut_off_by_drain
 from .codec import HEADER, answer_limit, decode_request, encode_response, header_length, json_values
 from .decode_gate import DecodeGate
-from .responses import error_response, read_decoded_body
+from .responses import BodyLimits, error_response, read_decoded_body
 
 T = TypeVar("T")
 INFER_PATH = re.compile(r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?/infer")
 
 
 async def infer_response(dataplane: DataPlane, request: Request, model: str, version: str,
-                         max_request_bytes: int, gate: DecodeGate) -> Response:
+                         limits: BodyLimits, gate: DecodeGate) -> Response:
     """Decode a V2 infer request (JSON or binary extension; a large one through ``gate``), run it, and encode
     the answer."""
-    body = await read_decoded_body(request, max_request_bytes)
+    body = await read_decoded_body(request, limits)
     n = header_length(request.headers.get(HEADER))
     # binary tensor data is read in place (views of the body): only the JSON header decides whether decoding
     # leaves the event loop (a 60 MB binary body: 0.2 ms in place, 0.5-1 s pickled to the helper and back)
     json_bytes = len(body) if n is None else min(n, len(body))
     req = await gate.decode(decode_request, body, n, model, version, size=json_bytes)
-    req.answer_limit = answer_limit(req, max_request_bytes)
+    req.answer_limit = answer_limit(req, limits.max_bytes)
     if req.parameters.get("sequence_id"):
         resp = await _unless_client_leaves(dataplane.infer(req), request.receive)
     else:
@@ -81,11 +81,11 @@ async def _unless_client_leaves(work: Awaitable[T], receive: Callable[[], Awaita
 class InferFastPath:
     """ASGI app: infer requests go straight to :func:`infer_response`; everything else to ``app`` (FastAPI)."""
 
-    def __init__(self, app: Any, dataplane: DataPlane, max_request_bytes: int, gate: DecodeGate,
+    def __init__(self, app: Any, dataplane: DataPlane, limits: BodyLimits, gate: DecodeGate,
                  close: Callable[[], None] = lambda: None) -> None:
         self.app = app
         self.dataplane = dataplane
-        self.max_request_bytes = max_request_bytes
+        self.limits = limits
         self.gate = gate
         self._close = close
         self._cut_off: Unavailable | None = None  # set by begin_drain: what a request cancelled from then gets
@@ -117,7 +117,7 @@ class InferFastPath:
             return
         try:
             response = await infer_response(self.dataplane, Request(scope, receive), match["model"],
-                                            match["version"] or "", self.max_request_bytes, self.gate)
+                                            match["version"] or "", self.limits, self.gate)
         except RNNServeError as exc:
             response = error_response(exc)
         except asyncio.CancelledError:

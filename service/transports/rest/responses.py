@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import zlib
+from dataclasses import dataclass
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from ...errors import STATUS_TABLE, InvalidInput, RNNServeError, TooLarge
+from .body_watch import BodyWatch, RequestTimeout
 
 # zlib window bits of each request Content-Encoding tritonclient sends (gzip.compress, zlib.compress); names are
 # case-insensitive, and x-gzip is gzip (RFC 9110 8.4.1)
@@ -27,6 +29,8 @@ class RequestTooLarge(TooLarge):
 def error_response(exc: RNNServeError) -> JSONResponse:
     """The one way an error leaves the REST transport."""
     code = STATUS_TABLE.get(exc.status, STATUS_TABLE["INTERNAL"])[0]
+    # the rest of a stalled body would be read as the next request: the connection ends with this answer
+    headers = {"connection": "close"} if isinstance(exc, RequestTimeout) else None
     message = exc.message
     try:
         message.encode("utf-8")
@@ -34,18 +38,32 @@ def error_response(exc: RNNServeError) -> JSONResponse:
         # a message quoting a client's string with a lone surrogate in it cannot be sent as UTF-8 JSON;
         # unescaped it made this answer itself fail (a bare 500, the connection closed)
         message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    return JSONResponse({"error": message}, status_code=code)
+    return JSONResponse({"error": message}, status_code=code, headers=headers)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refused with RequestTooLarge past ``limit`` bytes (declared or streamed)."""
+@dataclass(frozen=True)
+class BodyLimits:
+    """What a request body may be: at most ``max_bytes`` (--max-request-bytes), with no pause longer than
+    ``watch.pause_s`` between its parts (--body-timeout-s)."""
+
+    max_bytes: int
+    watch: BodyWatch
+
+
+async def read_body(request: Request, limits: BodyLimits) -> bytes:
+    """The whole body, refused with RequestTooLarge past ``limits.max_bytes`` (declared or streamed) and with
+    RequestTimeout when it pauses too long."""
+    limit = limits.max_bytes
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise RequestTooLarge(f"request body of {declared} bytes is larger than the limit of {limit} bytes "
                               f"(--max-request-bytes); send fewer or shorter sequences")
     chunks, size = [], 0
+    task = asyncio.current_task()
+    limits.watch.begin(task)
     try:
         async for chunk in request.stream():
+            limits.watch.progress(task)
             size += len(chunk)
             if size > limit:
                 raise RequestTooLarge(f"request body is larger than the limit of {limit} bytes (--max-request-bytes)")
@@ -53,19 +71,26 @@ async def read_body(request: Request, limit: int) -> bytes:
     except ClientDisconnect:
         # nobody reads the answer; raised, it was logged as an error with a traceback per such client
         raise InvalidInput("the client closed the connection before it sent the whole body") from None
+    except asyncio.CancelledError:
+        if limits.watch.end(task) and task.uncancel() == 0:  # the watch's cancel, and nobody else's
+            raise RequestTimeout(f"the request body stopped arriving for more than {limits.watch.pause_s:g} s "
+                                 f"(--body-timeout-s); send the whole body without pausing") from None
+        raise
+    finally:
+        limits.watch.end(task)
     return b"".join(chunks)
 
 
-async def read_decoded_body(request: Request, limit: int) -> bytes:
+async def read_decoded_body(request: Request, limits: BodyLimits) -> bytes:
     """The body (:func:`read_body`) with its Content-Encoding undone (:func:`decompress`): what every route
     that takes a body reads."""
-    body = await read_body(request, limit)
+    body = await read_body(request, limits)
     encoding = request.headers.get("content-encoding")
     if encoding and encoding != "identity" and len(body) > _INLINE_COMPRESSED_BYTES:
         # zlib lets go of the GIL while it inflates: on a thread, the event loop keeps serving (82 MB of JSON
         # from 37 MB of gzip: 0.30 s inline, pauses of at most 0.04 s on a thread; development machine)
-        return await asyncio.to_thread(decompress, body, encoding, limit)
-    return decompress(body, encoding, limit)
+        return await asyncio.to_thread(decompress, body, encoding, limits.max_bytes)
+    return decompress(body, encoding, limits.max_bytes)
 
 
 def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
