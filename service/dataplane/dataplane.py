@@ -22,7 +22,7 @@ from .model_config import triton_model_config
 from .signature import ModelSignature
 from .statistics import version_statistics
 from .types import InferRequest, InferResponse
-from .validation import StreamRequest
+from .validation import StreamRequest, stream_request
 from .view import ModelView, Prepared, prepare, respond
 
 log = logging.getLogger("rnnserve.dataplane")
@@ -274,6 +274,21 @@ class DataPlane:
             if stream.end:
                 store.close(state)
         state.turn.give()
+
+    async def end_stream(self, model: str, version: str, parameters: dict[str, Any], why: str) -> None:
+        """End the stream a request's ``parameters`` name, on the version that answered it, with ``why``.
+
+        A transport calls it when it could not deliver a stream chunk's answer (its call ended first): the
+        stream's state has moved past a chunk its client never saw, so a resent chunk would run on the wrong
+        state. Nothing happens for a stateless request or a stream that is not live.
+        """
+        try:
+            stream = stream_request(parameters)
+            served = self.registry.version(model, version)
+        except RNNServeError:
+            return
+        if stream is not None and served.streams is not None:
+            served.streams.end(stream.key, why)
 
     def _signature(self, spec: Any) -> ModelSignature:
         """The signature of a loaded model's spec, built once per spec (it is read on every request)."""

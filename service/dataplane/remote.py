@@ -50,7 +50,8 @@ from .view import ModelView, prepare, respond
 log = logging.getLogger("rnnserve.dataplane.remote")
 _LENGTH = struct.Struct("<Q")
 ASYNC_METHODS = frozenset({"infer", "load_model", "unload_model", "live", "ready", "server_metadata", "model_metadata",
-                           "model_ready", "repository_index", "render_metrics", "model_config", "model_statistics"})
+                           "model_ready", "repository_index", "render_metrics", "model_config", "model_statistics",
+                           "end_stream"})
 SYNC_METHODS = frozenset({"model_view"})
 # Calls whose work a front-end cancels when its client goes away: ``(None, "cancel", (id, index))`` (no reply).
 CANCELLABLE_METHODS = frozenset({"submit", "submit_many", "infer"})
@@ -450,6 +451,9 @@ class RemoteDataPlane:
 
     async def model_statistics(self, name: str = "", version: str = "") -> list[dict]:
         return await self._call("model_statistics", name, version)
+
+    async def end_stream(self, model: str, version: str, parameters: dict[str, Any], why: str) -> None:
+        return await self._call("end_stream", model, version, parameters, why)
 
     async def repository_index(self, ready_only: bool = False) -> list[dict]:
         return await self._call("repository_index", ready_only)

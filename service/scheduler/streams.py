@@ -182,6 +182,13 @@ class StreamStore:
                     self._metrics.stream_ends.labels(**self._labels, reason=outcome).inc()
         self._gauge()
 
+    def end(self, key: str, why: str) -> None:
+        """End live stream ``key`` (if it is live) with ``why``: its state moved past a chunk whose answer its
+        client never got, so its next chunk must be refused, not run on a state the client does not know."""
+        state = self._streams.get(key)
+        if state is not None:
+            self.close(state, why, "error")
+
     def settle(self, state: StreamState) -> None:
         """Give an ended stream's slot back once no chunk of it runs (called again when its chunk ends)."""
         if state.ended and not state.running and state.slot >= 0:

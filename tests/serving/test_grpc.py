@@ -51,6 +51,7 @@ class FakeDataPlane:
         self.loaded: list[str] = []
         self.unloaded: list[str] = []
         self.metadata_fails = False
+        self.ended_streams: list[tuple] = []
 
     async def live(self) -> bool:
         return True
@@ -108,6 +109,9 @@ class FakeDataPlane:
                 for n in wanted
             ],
         )
+
+    async def end_stream(self, model: str, version: str, parameters: dict, why: str) -> None:
+        self.ended_streams.append((model, version, parameters.get("sequence_id"), why))
 
     async def repository_index(self, ready_only: bool = False) -> list[dict]:
         models = [
@@ -173,6 +177,7 @@ def fresh(dataplane):
     dataplane.max_in_flight = 0
     dataplane.is_ready = True
     dataplane.metadata_fails = False
+    dataplane.ended_streams.clear()
     return dataplane
 
 
@@ -568,6 +573,26 @@ def test_stream_client_cancel_does_not_hang_server(stub, client, fresh):
     while fresh.in_flight and time.monotonic() < deadline:
         time.sleep(0.05)
     assert fresh.in_flight == 0  # the dataplane call was cancelled with the stream
+
+
+def test_a_stream_chunk_answered_but_never_delivered_ends_its_stream(stub, fresh):
+    # Answers go in request order: sequence 5's chunk is done while the slow request before it runs, and the
+    # call's deadline ends the call before either answer leaves. The stream's state has moved past a chunk its
+    # client never saw; left live, the client's resend of that chunk ran on the wrong state.
+    requests = [_stream_request(0, delay_ms=3000), _stream_request(1, sequence_id=5),
+                _stream_request(2, delay_ms=3000, sequence_id=6)]
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.ModelStreamInfer(iter(requests), timeout=0.5))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 5
+    while not fresh.ended_streams and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.1)
+    # only the answered one: sequence 6's chunk was still running, and a chunk cancelled there ends its
+    # stream in the dataplane
+    assert fresh.ended_streams == [("double", "1", 5, "was ended because the answer to one of its chunks could "
+                                    "not be delivered (its ModelStreamInfer call ended first), so its state is "
+                                    "unknown to the client")]
 
 
 # -------------------------------------------------------------------- repository

@@ -144,6 +144,21 @@ async def test_streams_stay_on_the_engine_process_of_their_sequence_id(two_engin
 
 
 @pytest.mark.asyncio
+async def test_end_stream_reaches_the_engine_process_that_holds_the_stream(two_engines):
+    # what a front-end's gRPC transport sends for a stream chunk it answered but could not deliver
+    _, planes, sharded = two_engines
+    x = np.zeros((1, 2, 4), np.float32)
+    ids = [1, 2, 3, 4]
+    assert {stream_shard({"sequence_id": i}, 2) for i in ids} == {0, 1}
+    for i in ids:
+        await sharded.infer(_request(x, sequence_id=i, sequence_start=True))
+        await sharded.end_stream("lstm", "1", {"sequence_id": i}, "was ended for the test")
+        with pytest.raises(NotFound, match=f"stream {i} .* it was ended for the test"):
+            await sharded.infer(_request(x, sequence_id=i))
+    assert sum(metric_value(p, "rnnserve_stream_ends_total", reason="error") for p in planes) == len(ids)
+
+
+@pytest.mark.asyncio
 async def test_load_and_unload_reach_every_engine_process(two_engines):
     repo, planes, sharded = two_engines
     x = np.ones((1, 5, 4), np.float32)

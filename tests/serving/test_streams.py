@@ -145,6 +145,26 @@ async def test_a_cancelled_chunk_ends_its_stream_and_every_slot_comes_back(repo)
         assert pool.in_use == 1
 
 
+async def test_end_stream_ends_a_live_stream_with_its_reason_and_ignores_the_rest(repo):
+    # what the gRPC transport calls for a chunk it answered but could not deliver
+    x = np.zeros((1, 2, 4), np.float32)
+    async with rest_client(repo) as (client, dataplane):
+        pool = dataplane.registry.serving("lstm").streams.pool
+        assert (await client.post("/v2/models/lstm/infer", json=_chunk(x, 1, True))).status_code == 200
+        assert (await client.post("/v2/models/lstm/infer", json=_chunk(x, "b", True))).status_code == 200
+        await dataplane.end_stream("lstm", "1", {"sequence_id": 1}, "was ended for the test")
+        r = await client.post("/v2/models/lstm/infer", json=_chunk(x, 1))
+        assert r.status_code == 404 and "stream 1 of model 'lstm' is not live: it was ended for the test" \
+            in r.json()["error"]
+        assert pool.in_use == 1
+        # not live, stateless, unknown model or version, a bad id: nothing happens, nothing raises
+        for args in (("lstm", "1", {"sequence_id": 1}), ("lstm", "1", {}), ("nope", "1", {"sequence_id": 1}),
+                     ("lstm", "7", {"sequence_id": "b"}), ("lstm", "1", {"sequence_id": True})):
+            await dataplane.end_stream(*args, "x")
+        assert (await client.post("/v2/models/lstm/infer", json=_chunk(x, "b", end=True))).status_code == 200
+        assert pool.in_use == 0
+
+
 async def test_a_chunk_cancelled_while_waiting_its_turn_changes_nothing(repo):
     # a 300 ms batching window keeps the first chunk running while the next ones wait behind it (long enough for a
     # busy CI host: the cancel below must come while the first chunk still holds the stream's turn)

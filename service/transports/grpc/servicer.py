@@ -7,6 +7,7 @@ handled here: :func:`.status.register` maps them for every RPC.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, AsyncIterator
 
 from google.protobuf import json_format
@@ -18,6 +19,8 @@ from .codec import decode_parameters, decode_request, encode_response
 from .generated import inference_pb2 as pb
 from .generated import inference_pb2_grpc as pb_grpc
 from .status import grpc_status
+
+log = logging.getLogger("rnnserve.grpc")
 
 # How many ModelStreamInfer requests of one stream may be in flight at once.
 STREAM_WINDOW = 64
@@ -47,6 +50,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def __init__(self, dataplane, stream_window: int = STREAM_WINDOW, max_message_bytes: int | None = None) -> None:
         self._dataplane = dataplane
+        self._endings: set[asyncio.Future] = set()
         self._stream_window = stream_window
         self._max_message_bytes = max_message_bytes
         # answers are FP32 raw contents, 4 bytes a number: refused before they run when those alone are over the limit
@@ -126,7 +130,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         requests of one stream can batch together; requests of the same sequence
         (same model and ``sequence_id``) run one after another, in stream order.
         """
-        in_order: asyncio.Queue[asyncio.Task | None] = asyncio.Queue()
+        in_order: asyncio.Queue[tuple[asyncio.Task, pb.ModelInferRequest] | None] = asyncio.Queue()
         window = asyncio.Semaphore(self._stream_window)
         last_of_sequence: dict[tuple[str, Any], asyncio.Task] = {}
 
@@ -143,23 +147,43 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     if key is not None:
                         last_of_sequence[key] = task
                         task.add_done_callback(lambda t, k=key: forget(k, t))
-                    in_order.put_nowait(task)
+                    in_order.put_nowait((task, request))
             finally:
                 in_order.put_nowait(None)
 
         reader = asyncio.create_task(read())
         try:
-            while (task := await in_order.get()) is not None:
-                response = await task
+            while (item := await in_order.get()) is not None:
+                response = await item[0]
                 window.release()
                 yield response
             await reader  # a failure to read the stream ends the call with its status
         finally:
             reader.cancel()
             while not in_order.empty():
-                task = in_order.get_nowait()
-                if task is not None:
-                    task.cancel()
+                item = in_order.get_nowait()
+                if item is None:
+                    continue
+                task, request = item
+                if not task.done():
+                    task.cancel()  # a chunk cancelled once queued ends its stream in the dataplane
+                elif not task.cancelled() and not task.result().error_message and _sequence_key(request):
+                    # answered, and its stream moved on, but the answer waited behind an earlier request and the
+                    # call ended first: the client never saw it, so the stream must not go on from there
+                    self._end_undelivered(request, task.result().infer_response.model_version)
+
+    def _end_undelivered(self, request: pb.ModelInferRequest, version: str) -> None:
+        why = ("was ended because the answer to one of its chunks could not be delivered (its ModelStreamInfer call "
+               "ended first), so its state is unknown to the client")
+        ending = asyncio.ensure_future(self._dataplane.end_stream(
+            request.model_name, version, decode_parameters(request.parameters), why))
+        self._endings.add(ending)  # held until done: the call's generator is gone by then
+        ending.add_done_callback(self._ended)
+
+    def _ended(self, ending: asyncio.Future) -> None:
+        self._endings.discard(ending)
+        if not ending.cancelled() and ending.exception() is not None:
+            log.warning("ending a stream whose answer was not delivered failed: %s", ending.exception())
 
     async def _stream_one(self, request: pb.ModelInferRequest, after: asyncio.Task | None):
         if after is not None:
