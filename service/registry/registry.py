@@ -277,9 +277,14 @@ class ModelRegistry:
                     await self._retire(previous, drain=True)
                     del entry.versions[v]
             elif entry.versions.get(v) is not previous:
+                streams = entry.versions[v].streams
+                if streams is not None and previous.streams is not None:
+                    # the new copy serves from now, while the old one drains: a chunk of an old stream reaching
+                    # it meanwhile is told why its stream ends, not that it never started
+                    streams.adopt_endings(previous.streams, live_why=_ended_by_reload(previous))
                 await self._retire(previous, drain=True, forget=False)
-                if entry.versions[v].streams is not None and previous.streams is not None:
-                    entry.versions[v].streams.adopt_endings(previous.streams)
+                if streams is not None and previous.streams is not None:
+                    streams.adopt_endings(previous.streams)
         ok = any(sv.state == ModelState.READY for sv in entry.versions.values())
         entry.state = ModelState.READY if ok else ModelState.UNAVAILABLE
         entry.reason = "" if ok else "; ".join(e.message for e in failures)
@@ -362,7 +367,7 @@ class ModelRegistry:
             sv.scheduler = None
         if sv.streams is not None:
             # The cleared store stays: it tells a late chunk, or a reload's new store, why its stream ended.
-            sv.streams.clear(f"was ended when model '{sv.name}' version {sv.version} was unloaded or reloaded")
+            sv.streams.clear(_ended_by_reload(sv))
         if sv.engine is not None:
             try:
                 await asyncio.to_thread(sv.engine.close)
@@ -377,3 +382,8 @@ class ModelRegistry:
         sv.model = None
         if was_serving:
             sv.state = ModelState.UNAVAILABLE
+
+
+def _ended_by_reload(sv: ServedVersion) -> str:
+    """Why a version's streams ended when it was unloaded or a reload replaced it."""
+    return f"was ended when model '{sv.name}' version {sv.version} was unloaded or reloaded"

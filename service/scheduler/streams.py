@@ -204,10 +204,14 @@ class StreamStore:
             self.close(state, why, "unload")
         self._gauge()
 
-    def adopt_endings(self, other: "StreamStore") -> None:
-        """Remember why ``other``'s streams ended (a reload's new store explains the old store's ids)."""
+    def adopt_endings(self, other: "StreamStore", live_why: str = "") -> None:
+        """Remember why ``other``'s streams ended (a reload's new store explains the old store's ids); with
+        ``live_why``, its live streams too, as ending for that reason (the old store's, about to end them)."""
         for key, why in other._ended.items():
             self._remember(key, why)
+        if live_why:
+            for key in other._streams:
+                self._remember(key, live_why)
 
     def _remember(self, key: str, why: str) -> None:
         self._ended[key] = why

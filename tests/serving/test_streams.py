@@ -165,6 +165,31 @@ async def test_end_stream_ends_a_live_stream_with_its_reason_and_ignores_the_res
         assert pool.in_use == 0
 
 
+async def test_a_chunk_reaching_a_reload_s_new_copy_while_the_old_drains_is_told_its_stream_ended(repo):
+    # the new copy serves at once while the old one drains; a live stream's chunk then read "never started"
+    x = np.zeros((1, 2, 4), np.float32)
+    long = np.zeros((64, 20000, 4), np.float32)  # a batch that keeps the old copy draining (~1 s on a CI core)
+    async with rest_client(repo) as (client, dataplane):
+        assert (await client.post("/v2/models/lstm/infer", json=_chunk(x, 1, True))).status_code == 200
+        old = dataplane.registry.serving("lstm")
+        held = asyncio.create_task(dataplane.infer(
+            InferRequest("lstm", inputs=[InferTensor("input", "FP32", list(long.shape), long)])))
+        await asyncio.sleep(0.05)
+        reload = asyncio.create_task(dataplane.load_model("lstm"))
+        while dataplane.registry.serving("lstm") is old:
+            await asyncio.sleep(0.001)
+        assert not reload.done()  # the old copy is still draining
+        r = await client.post("/v2/models/lstm/infer", json=_chunk(x, 1))
+        assert r.status_code == 404 and r.json()["error"] == (
+            "stream 1 of model 'lstm' is not live: it was ended when model 'lstm' version 1 was unloaded or "
+            "reloaded; start a new stream with sequence_start")
+        await reload
+        await held
+        r = await client.post("/v2/models/lstm/infer", json=_chunk(x, 1))
+        assert r.status_code == 404 and "was ended when model 'lstm' version 1 was unloaded or reloaded" \
+            in r.json()["error"]
+
+
 async def test_a_chunk_cancelled_while_waiting_its_turn_changes_nothing(repo):
     # a 300 ms batching window keeps the first chunk running while the next ones wait behind it (long enough for a
     # busy CI host: the cancel below must come while the first chunk still holds the stream's turn)
