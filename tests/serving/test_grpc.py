@@ -490,6 +490,23 @@ def test_message_size_limit():
         srv.close()
 
 
+def test_a_stream_error_too_long_to_echo_answers_without_the_echo_and_the_call_goes_on():
+    # an error reply repeats the request's id and model name; near the message limit that reply was over it,
+    # and grpc ended the whole call: later requests got no answer
+    srv = ServerThread(FakeDataPlane(), max_message_bytes=4096)
+    try:
+        with grpc.insecure_channel(srv.url) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            long_id = _stream_request(0, model="bad")
+            long_id.id = "i" * 3900
+            replies = list(stub.ModelStreamInfer(iter([long_id, _stream_request(1)]), timeout=10))
+        assert replies[0].error_message == ("input 'input' has 3 features, model 'bad' expects 40 (this request's "
+                                            "id and model name are too long to repeat within the message limit)")
+        assert not replies[1].error_message and replies[1].infer_response.id == "s1"
+    finally:
+        srv.close()
+
+
 # ------------------------------------------------------------------------ stream
 
 

@@ -78,3 +78,12 @@ def test_raw_inputs_decode_in_input_order_with_parameters():
     np.testing.assert_array_equal(decoded.inputs[1].data, b)
     assert decoded.inputs[1].parameters == {"note": "x"}
     assert [(o.name, o.parameters) for o in decoded.outputs] == [("h_n", {"binary_data": True})]
+
+
+def test_answers_do_not_repeat_the_parameters_of_requested_outputs():
+    # the dataplane hands the request's options for an output (binary_data, anything a client sends) to the
+    # encoders on the answer's tensors; repeated over gRPC, they were unbounded text past the message limit
+    x = np.ones((1, 2), np.float32)
+    response = InferResponse("m", "1", "r", [InferTensor("output_last", "FP32", [1, 2], x, {"note": "y" * 1000})])
+    msg = encode_response(response)
+    assert [o.name for o in msg.outputs] == ["output_last"] and not msg.outputs[0].parameters

@@ -204,8 +204,9 @@ def encode_response(response: InferResponse) -> pb.ModelInferResponse:
     for tensor in response.outputs:
         dtype = numpy_dtype(tensor.datatype)
         data = np.asarray(tensor.data)
-        out = msg.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=list(data.shape))
-        encode_parameters(tensor.parameters, out.parameters)
+        # (an output's parameters are the request's options for it, binary_data and the like, which the REST
+        # encoder reads; repeated here they were unbounded text in the answer, past the message limit)
+        msg.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=list(data.shape))
         msg.raw_output_contents.append(
             np.ascontiguousarray(data, dtype=dtype.newbyteorder("<")).tobytes()
         )

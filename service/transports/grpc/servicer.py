@@ -192,6 +192,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             infer_response = await self._answer(request, _STREAM_WRAPPER_BYTES)
         except Exception as exc:
             _, message = grpc_status(exc)
+            echoed = sum(len(text.encode()) for text in (request.id, request.model_name, request.model_version))
+            if (self._max_message_bytes is not None
+                    and echoed + len(message.encode()) + ANSWER_FRAME_BYTES > self._max_message_bytes):
+                # past the message limit grpc would end the whole call, and every later request's answer with it
+                return pb.ModelStreamInferResponse(error_message=f"{message} (this request's id and model name are "
+                                                                 f"too long to repeat within the message limit)")
             # The request's identity goes back with the error, so clients can match them.
             return pb.ModelStreamInferResponse(
                 error_message=message,
