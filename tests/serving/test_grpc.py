@@ -510,6 +510,16 @@ def test_a_stream_error_too_long_to_echo_answers_without_the_echo_and_the_call_g
 # ------------------------------------------------------------------------ stream
 
 
+def test_triton_s_final_response_flag_must_be_a_boolean(stub, fresh):
+    # a string "true" was silently ignored; checked before the request runs, as sequence_start is
+    request = _stream_request(0)
+    request.parameters["triton_enable_empty_final_response"].string_param = "true"
+    (reply,) = list(stub.ModelStreamInfer(iter([request]), timeout=10))
+    assert reply.error_message == ("parameter 'triton_enable_empty_final_response' must be true or false "
+                                   "(bool_param), got string 'true'")
+    assert fresh.started == []
+
+
 def test_stream_through_tritonclient_keeps_order_and_survives_an_error(client, fresh):
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)), stream_timeout=30)

@@ -14,7 +14,7 @@ from google.protobuf import json_format
 
 from ...dataplane.repository_parameters import check_load_parameters, check_unload_parameters
 from ...dataplane.types import AnswerLimit
-from ...errors import TooLarge
+from ...errors import InvalidInput, TooLarge
 from .codec import decode_parameters, decode_request, encode_response
 from .generated import inference_pb2 as pb
 from .generated import inference_pb2_grpc as pb_grpc
@@ -188,7 +188,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def _stream_one(self, request: pb.ModelInferRequest, after: asyncio.Task | None):
         if after is not None:
             await asyncio.wait([after])
+        final = request.parameters.get("triton_enable_empty_final_response")
         try:
+            if final is not None and final.WhichOneof("parameter_choice") != "bool_param":
+                # checked before the request runs: a stream chunk must not move its state and then be refused
+                kind = final.WhichOneof("parameter_choice")
+                got = f"{kind.removesuffix('_param')} {getattr(final, kind)!r}" if kind else "no value"
+                raise InvalidInput(f"parameter 'triton_enable_empty_final_response' must be true or false "
+                                   f"(bool_param), got {got}")
             infer_response = await self._answer(request, _STREAM_WRAPPER_BYTES)
         except Exception as exc:
             _, message = grpc_status(exc)
@@ -205,7 +212,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     model_name=request.model_name, model_version=request.model_version, id=request.id
                 ),
             )
-        final = request.parameters.get("triton_enable_empty_final_response")
         if final is not None and final.bool_param:
             # Non-decoupled models answer once: that answer is the final one (Triton's flag).
             infer_response.parameters["triton_final_response"].bool_param = True
