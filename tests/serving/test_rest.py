@@ -262,6 +262,17 @@ async def test_bad_requests(repo, model, body, status, message):
         assert ok.status_code == 200
 
 
+async def test_integer_literals_past_int64_are_numbers_for_a_float_input(repo):
+    # 1e20 written out in digits: NumPy made an object array of it, refused as "not JSON numbers"
+    body = {"inputs": [_inp(data=[10 ** 20] + [0] * 7)], "outputs": [{"name": "output_last"}]}
+    async with rest_client(repo) as (client, _):
+        r = await client.post("/v2/models/lstm/infer", content=json.dumps(body).encode())
+        assert r.status_code == 200, r.text
+        same = await client.post("/v2/models/lstm/infer", json={"inputs": [_inp(data=[1e20] + [0] * 7)],
+                                                                "outputs": [{"name": "output_last"}]})
+        assert r.json()["outputs"] == same.json()["outputs"]
+
+
 async def test_integer_literal_past_pythons_digit_limit(repo):
     huge = b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 1, 1], "data": [1' + b"0" * 4400 + b']}]}'
     async with rest_client(repo) as (client, _):
