@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import InvalidInput, TooLarge
 from ..scheduler import SequenceWork
 from .signature import FLOAT_TYPES, INT_TYPES, ModelSignature
-from .types import InferRequest, InferTensor, refuse_extensions
+from .types import DATATYPES, InferRequest, InferTensor, refuse_extensions
 
 def request_deadline(parameters: dict[str, Any]) -> float | None:
     """``time.monotonic()`` deadline from the request's ``timeout`` parameter (µs), or None."""
@@ -165,6 +165,13 @@ def requested_outputs(request: InferRequest, sig: ModelSignature) -> frozenset[s
     return frozenset(o.name for o in request.outputs)
 
 
+def out_of_range(subject: str, datatype: str = "FP32", note: str = "") -> InvalidInput:
+    """The error for a finite value past ``datatype``'s range (it became inf when cast), ``subject`` naming it
+    ("input 'input' has 1e+39 at index [0, 0, 0]"): the one wording of every decoder and of validation."""
+    top = float(np.finfo(DATATYPES[datatype]).max)
+    return InvalidInput(f"{subject}, outside {datatype}'s range ({note}up to about {top:.4g}); send values within it")
+
+
 def _float_tensor(t: InferTensor, model: str) -> np.ndarray:
     if t.datatype not in FLOAT_TYPES:
         raise InvalidInput(f"input '{t.name}' has datatype {t.datatype}; send {', '.join(FLOAT_TYPES)}")
@@ -174,8 +181,8 @@ def _float_tensor(t: InferTensor, model: str) -> np.ndarray:
     if not np.isfinite(out).all():
         bad = tuple(int(i) for i in np.argwhere(~np.isfinite(out))[0])
         if np.isfinite(arr[bad]):
-            raise InvalidInput(f"input '{t.name}' has {float(arr[bad])!r} at index {list(bad)}, outside FP32's range "
-                               f"(the models compute in FP32, up to about 3.4e38); send values within it")
+            raise out_of_range(f"input '{t.name}' has {float(arr[bad])!r} at index {list(bad)}",
+                               note="the models compute in FP32, ")
         raise InvalidInput(f"input '{t.name}' contains NaN or infinite values (first at index {list(bad)}); "
                            f"send finite numbers")
     return out

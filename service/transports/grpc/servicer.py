@@ -190,9 +190,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             await asyncio.wait([after])
         final = request.parameters.get("triton_enable_empty_final_response")
         try:
-            if final is not None and final.WhichOneof("parameter_choice") != "bool_param":
+            kind = None if final is None else final.WhichOneof("parameter_choice")
+            if final is not None and kind != "bool_param":
                 # checked before the request runs: a stream chunk must not move its state and then be refused
-                kind = final.WhichOneof("parameter_choice")
                 got = f"{kind.removesuffix('_param')} {getattr(final, kind)!r}" if kind else "no value"
                 raise InvalidInput(f"parameter 'triton_enable_empty_final_response' must be true or false "
                                    f"(bool_param), got {got}")

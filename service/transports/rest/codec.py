@@ -20,7 +20,7 @@ import numpy as np
 
 from ...dataplane.types import (AnswerLimit, InferRequest, InferResponse, InferTensor, RequestedOutput, check_shape_size,
                                 numpy_dtype, refuse_extensions)
-from ...dataplane.validation import bool_parameter
+from ...dataplane.validation import bool_parameter, out_of_range
 from ...errors import InvalidInput
 from .responses import JSON_VALUE_BYTES
 
@@ -220,20 +220,12 @@ def _json_values(name: str, datatype: str, dtype: np.dtype, data: Any, booleans:
             if raw.dtype.kind not in "iuf":
                 raise InvalidInput(f"input '{name}' is {datatype}: its data must be JSON numbers "
                                    f"within its range (no booleans, strings or nulls)")
-            with np.errstate(over="ignore"):
-                out = raw.astype(dtype, copy=False)
-            if out.dtype != raw.dtype and not np.isfinite(out).all():
-                # a finite number past FP16's or FP32's range became inf: say so, not "NaN or infinite"
-                past = (~np.isfinite(out) & np.isfinite(raw)).ravel()
-                if past.any():
-                    first = int(np.flatnonzero(past)[0])
-                    # named by its index in the tensor, as validation names others (flat JSON data has none)
-                    index = [int(i) for i in np.unravel_index(first, shape)] \
-                        if shape is not None and raw.size == math.prod(shape) else [first]
-                    raise InvalidInput(f"input '{name}' has {raw.ravel()[first].item()!r} at index {index}, outside "
-                                       f"{datatype}'s range (up to about {float(np.finfo(dtype).max):.4g}); send "
-                                       f"values within it")
-            return out
+            try:
+                # the cast flags a finite number past FP16's or FP32's range (no extra pass over the data)
+                with np.errstate(over="raise"):
+                    return raw.astype(dtype, copy=False)
+            except FloatingPointError:
+                raise _past_range(name, datatype, dtype, raw, shape) from None
         info = np.iinfo(dtype)
         whole = raw.dtype.kind in "iu" or (
             raw.dtype.kind == "f" and bool(np.all(np.isfinite(raw) & (raw == np.round(raw)))))
@@ -244,6 +236,17 @@ def _json_values(name: str, datatype: str, dtype: np.dtype, data: Any, booleans:
     except (ValueError, TypeError, OverflowError) as exc:
         raise InvalidInput(f"input '{name}' data cannot be read as {datatype} (nested lists must be "
                            f"rectangular numbers within its range): {exc}") from exc
+
+
+def _past_range(name: str, datatype: str, dtype: np.dtype, raw: np.ndarray, shape: list[int] | None) -> InvalidInput:
+    """The error naming the first finite value of ``raw`` that ``dtype`` cannot hold (not "NaN or infinite")."""
+    with np.errstate(over="ignore"):
+        past = (~np.isfinite(raw.astype(dtype)) & np.isfinite(raw)).ravel()
+    first = int(np.flatnonzero(past)[0])
+    # named by its index in the tensor, as validation names others (flat JSON data has none)
+    index = [int(i) for i in np.unravel_index(first, shape)] \
+        if shape is not None and raw.size == math.prod(shape) else [first]
+    return out_of_range(f"input '{name}' has {raw.ravel()[first].item()!r} at index {index}", datatype)
 
 
 def _big_integers(name: str, datatype: str, raw: np.ndarray) -> np.ndarray:

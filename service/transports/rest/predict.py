@@ -14,6 +14,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, ValidationError
 
 from ...dataplane.types import AnswerLimit, InferRequest, InferResponse, InferTensor, RequestedOutput
+from ...dataplane.validation import out_of_range
 from ...errors import InvalidInput
 from .responses import JSON_VALUE_BYTES
 
@@ -74,17 +75,16 @@ def to_infer_request(model: str, body: PredictRequest, limit: int | None = None)
         lengths.append(len(seq))
     t_max = max(lengths)
     x = np.zeros((len(lengths), t_max, width or 0), dtype=np.float32)
-    with np.errstate(over="ignore"):  # past FP32's range: inf, refused here by value (NaN and inf by validation)
-        for i, seq in enumerate(body.instances):
-            row = x[i, :lengths[i]]
-            row[...] = seq
-            if not np.isfinite(row).all():
-                exact = np.asarray(seq, dtype=np.float64)
-                past = np.isfinite(exact) & ~np.isfinite(row)
-                if past.any():
-                    t, f = (int(k) for k in np.argwhere(past)[0])
-                    raise InvalidInput(f"instances[{i}][{t}][{f}] is {float(exact[t, f])!r}, outside FP32's range (the models "
-                                       f"compute in FP32, up to about 3.4e38); send values within it")
+    for i, seq in enumerate(body.instances):
+        try:
+            # the cast flags a finite number past FP32's range (NaN and inf are validation's to refuse)
+            with np.errstate(over="raise"):
+                x[i, :lengths[i]] = seq
+        except FloatingPointError:
+            exact = np.asarray(seq, dtype=np.float64)
+            t, f = (int(k) for k in np.argwhere(np.isfinite(exact) & (np.abs(exact) > np.finfo(np.float32).max))[0])
+            raise out_of_range(f"instances[{i}][{t}][{f}] is {float(exact[t, f])!r}",
+                               note="the models compute in FP32, ") from None
     lens = np.asarray(lengths, dtype=np.int64)
     outputs = [RequestedOutput(n) for n in (body.outputs or ["output_last", "output"])]
     bound = None if limit is None else AnswerLimit(
