@@ -110,7 +110,7 @@ def main() -> int:
         src.mkdir(parents=True, exist_ok=True)
         for name, path in (("forecaster", train_forecaster(src)), ("wave_classifier", train_classifier(src))):
             subprocess.run([sys.executable, "-m", "service.cli", "convert", str(path), "--name", name,
-                            "--repository", str(args.repository)], check=True, cwd=ROOT)
+                            "--repository", str(args.repository), "--overwrite"], check=True, cwd=ROOT)
             config = args.repository / name / "config.json"
             config.write_text(json.dumps(CONFIGS[name], indent=2) + "\n")
     return 0

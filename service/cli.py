@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -19,7 +20,14 @@ def _convert(args: argparse.Namespace) -> int:
         options["recurrent_activation"] = args.recurrent_activation
     model = convert(args.source, format=args.format, select=args.select, cell=args.cell,
                     verify=not args.no_verify, **options)
-    out = model.save(args.repository, args.name, args.version, dtype=args.dtype)
+    stored_diff = None
+    if args.dtype != "float32":
+        from .loaders.verify import storage_difference
+
+        stored_diff = storage_difference(model, args.dtype)
+        model.provenance.setdefault("verification", {})["stored"] = {"dtype": args.dtype,
+                                                                     "max_abs_diff_from_float32": stored_diff}
+    out = model.save(args.repository, args.name, args.version, dtype=args.dtype, replace=args.overwrite)
     prov = model.provenance
     print(f"converted {prov['source']} ({prov['format']}, selection: {', '.join(prov['selection']) or '-'})")
     for note in prov.get("notes", []):
@@ -35,6 +43,9 @@ def _convert(args: argparse.Namespace) -> int:
               f"on a probe batch (lengths {ver['probe']['lengths']})")
     else:
         print(f"not verified: {ver.get('reason', 'verification disabled')}")
+    if stored_diff is not None:
+        print(f"stored as {args.dtype}: outputs move by up to {stored_diff:.3g} from the float32 model on that probe "
+              f"(rounded weights)")
     print(f"wrote {out} ({model.parameter_count} parameters, {args.dtype})")
     return 0
 
@@ -116,6 +127,13 @@ def _print_engine(info: dict) -> None:
                   f"{row.get('layout')}")
 
 
+def _folder(text: str) -> Path:
+    """A folder argument; an empty one is refused (``Path("")`` would quietly be the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty; name a folder (default ./models)")
+    return Path(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for `rnnserve` (serve's flags come from the settings class)."""
     parser = argparse.ArgumentParser(prog="rnnserve", description=__doc__)
@@ -125,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv = sub.add_parser("convert", help="convert a PyTorch/Keras/ONNX file into the model repository")
     conv.add_argument("source", type=Path, help="model file: .pt .pth .safetensors TorchScript .keras .h5 .onnx")
     conv.add_argument("--name", required=True, help="model name in the repository")
-    conv.add_argument("--repository", type=Path, default=Path("models"), help="model repository (default ./models)")
+    conv.add_argument("--repository", type=_folder, default=Path("models"), help="model repository (default ./models)")
     conv.add_argument("--version", type=int, default=1, help="version number (default 1)")
     conv.add_argument("--format", choices=["auto", "torch", "keras", "onnx"], default="auto")
     conv.add_argument("--select", help="submodule prefix (torch), layer names (keras) or node names (onnx), comma separated")
@@ -136,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--recurrent-activation", choices=["sigmoid", "hard_sigmoid"],
                       help="Keras weights-only files: override the assumed recurrent activation")
     conv.add_argument("--no-verify", action="store_true", help="skip running the source framework on a probe input")
+    conv.add_argument("--overwrite", action="store_true",
+                      help="replace the model if that version exists already (default: refuse)")
     conv.set_defaults(func=_convert)
 
     insp = sub.add_parser("inspect", help="show a converted model: spec, blocks, parameter count, layout table")
@@ -163,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     except RNNServeError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader went away (`rnnserve inspect ... | head`): no traceback, and none again when Python
+        # flushes stdout at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

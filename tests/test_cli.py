@@ -170,3 +170,72 @@ def test_inspect_prints_each_buckets_layout_times(capsys):
     at = next(i for i, line in enumerate(lines) if "io layouts" in line)
     assert lines[at + 1].split() == ["1", "replay", "0.400/1.500", "0.500/1.600", "batch_major"]
     assert lines[at + 2].split() == ["8", "replay", "0.900/3.100", "0.700/2.500", "seq_major"]
+
+
+def test_convert_refuses_an_existing_version_unless_told_to_overwrite(torch_file, tmp_path):
+    first = rnnserve("convert", torch_file[0], "--name", "m", "--repository", tmp_path, "--no-verify")
+    assert first.returncode == 0, first.stderr
+    again = rnnserve("convert", torch_file[0], "--name", "m", "--repository", tmp_path, "--no-verify")
+    assert again.returncode == 2 and "version 1 of 'm' is converted already" in again.stderr
+    assert "--overwrite" in again.stderr and "Traceback" not in again.stderr
+    forced = rnnserve("convert", torch_file[0], "--name", "m", "--repository", tmp_path, "--no-verify", "--overwrite",
+                      "--dtype", "float16")
+    assert forced.returncode == 0, forced.stderr
+    assert service.load_model(tmp_path / "m").storage_dtype == "float16"
+
+
+def _file_size_limit(limit: int):
+    import resource
+
+    def apply() -> None:  # Python ignores SIGXFSZ, so a write past the limit raises OSError (EFBIG)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def test_a_write_that_fails_leaves_the_previous_model_and_no_partial_files(torch_file, tmp_path):
+    ok = rnnserve("convert", torch_file[0], "--name", "m", "--repository", tmp_path, "--no-verify")
+    assert ok.returncode == 0, ok.stderr
+    before = (tmp_path / "m" / "1" / "model.safetensors").read_bytes()
+    for name, extra in (("m", ["--overwrite", "--dtype", "bfloat16"]), ("fresh", [])):
+        res = subprocess.run([sys.executable, "-m", "service.cli", "convert", str(torch_file[0]), "--name", name,
+                              "--repository", str(tmp_path), "--no-verify", *extra], capture_output=True, text=True,
+                             timeout=120, preexec_fn=_file_size_limit(1000))
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        assert f"error: cannot write the model to '{tmp_path / name / '1' / 'model.safetensors'}'" in res.stderr
+    assert (tmp_path / "m" / "1" / "model.safetensors").read_bytes() == before  # replaced only once written whole
+    assert sorted(p.name for p in (tmp_path / "m" / "1").iterdir()) == ["model.safetensors"]
+    assert not (tmp_path / "fresh").exists()  # the folders that failed write made are gone
+
+
+def test_convert_refuses_what_a_repository_cannot_hold(torch_file, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    res = rnnserve("convert", torch_file[0], "--name", "m", "--repository", a_file, "--no-verify")
+    assert res.returncode == 2 and "cannot write the model to" in res.stderr and "Not a directory" in res.stderr
+    res = rnnserve("convert", torch_file[0], "--name", "m", "--repository", tmp_path, "--version", 10**18)
+    assert res.returncode == 2 and "version must be a whole number from 1 to 999999999999999999" in res.stderr
+    res = rnnserve("convert", torch_file[0], "--name", "m", "--repository", "")
+    assert res.returncode == 2 and "--repository: is empty" in res.stderr
+    res = rnnserve("convert", "/dev/null", "--name", "m", "--repository", tmp_path, "--format", "torch")
+    assert res.returncode == 2 and "is not a regular file" in res.stderr
+    assert not (tmp_path / "m").exists()
+
+
+def test_reduced_precision_is_refused_past_its_range_and_its_cost_is_reported(tmp_path):
+    torch.manual_seed(3)
+    net = torch.nn.LSTM(4, 8)
+    path = tmp_path / "lstm.pt"
+    torch.save(net.state_dict(), path)
+    res = rnnserve("convert", path, "--name", "half", "--repository", tmp_path / "repo", "--dtype", "float16")
+    assert res.returncode == 0, res.stderr
+    line = next(s for s in res.stdout.splitlines() if s.startswith("stored as float16"))
+    stored = service.load_model(tmp_path / "repo" / "half").provenance["verification"]["stored"]
+    assert stored["dtype"] == "float16" and 1e-6 < stored["max_abs_diff_from_float32"] < 1e-2
+    assert f"{stored['max_abs_diff_from_float32']:.3g}" in line
+    with torch.no_grad():
+        net.weight_ih_l0[0, 0] = 1e6  # float16 tops out at 65504: stored as inf, every output NaN
+    torch.save(net.state_dict(), path)
+    res = rnnserve("convert", path, "--name", "big", "--repository", tmp_path / "repo", "--dtype", "float16")
+    assert res.returncode == 2 and "tensor 'block0.weights' has a weight of magnitude 1e+06, past float16's range" \
+        in res.stderr
+    assert not (tmp_path / "repo" / "big").exists()

@@ -28,7 +28,8 @@ def detect_format(path: Path) -> str:
     ext = path.suffix.lower()
     if ext in _EXTENSIONS:
         return _EXTENSIONS[ext]
-    head = path.read_bytes()[:8]
+    with path.open("rb") as f:  # the first bytes only: a device file or a huge file is not read whole
+        head = f.read(8)
     if head.startswith(b"\x89HDF"):
         return "keras"
     if head.startswith(b"PK"):
@@ -68,6 +69,8 @@ def convert(source: Any, format: str | None = None, select: str | None = None, c
         raise ConversionError(f"source file '{path}' does not exist")
     if path.is_dir():
         raise ConversionError(f"'{path}' is a folder; pass the model file itself (.pt, .keras, .h5, .onnx, ...)")
+    if not path.is_file():
+        raise ConversionError(f"'{path}' is not a regular file (a device, pipe or socket); pass the model file itself")
     fmt = detect_format(path) if format in (None, "auto") else format
     loaded = load_source(path, fmt, select, cell, **options)
     spec, buffers, extras = assemble(loaded.layers)

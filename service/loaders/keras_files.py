@@ -127,9 +127,12 @@ def _read_archive(path: Path) -> KerasFile:
             names = set(zf.namelist())
             missing = [n for n in ("config.json", "model.weights.h5") if n not in names]
             if missing:
+                torch_save = any(n.endswith("/data.pkl") or n == "data.pkl" or n.endswith("/constants.pkl")
+                                 for n in names)
                 raise ConversionError(
                     f"'{path.name}' is a zip but not a Keras 3 .keras archive: it lacks {', '.join(missing)}. "
-                    f"Save the model with model.save('model.keras')"
+                    + ("It holds a PyTorch save: convert it with --format torch" if torch_save
+                       else "Save the model with model.save('model.keras')")
                 )
             config = json.loads(zf.read("config.json"))
             meta = json.loads(zf.read("metadata.json")) if "metadata.json" in names else {}

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConversionError
-from .keras_files import KerasFile, KerasLayer, read_keras_file
+from .keras_files import TRANSPARENT, KerasFile, KerasLayer, read_keras_file
 from .keras_mapping import to_recurrent_layer
 from .keras_runner import keras_runner
 from .source import LoadedSource
@@ -62,6 +62,8 @@ def load_keras(path: Path, select: str | None = None, cell: str | None = None, *
     notes: list[str] = []
     chosen = _select(kfile, recurrent, select, path.name, notes)
     _check_chain(kfile, chosen, explicit=select is not None)
+    if kfile.has_config:
+        _note_what_is_not_served(kfile, chosen, notes)
     default = _recurrent_default(kfile, override, notes)
     if not kfile.has_config:
         _note_weights_only(kfile, chosen, cell, notes)
@@ -72,6 +74,27 @@ def load_keras(path: Path, select: str | None = None, cell: str | None = None, *
         details["keras_version"] = kfile.keras_version
     return LoadedSource("keras", layers, [layer.name for layer in chosen], notes, runner, ragged_ok=True,
                         details=details)
+
+
+def _note_what_is_not_served(kfile: KerasFile, chosen: list[KerasLayer], notes: list[str]) -> None:
+    """Say where the served model differs from the file's whole model: layers around the recurrent stack, masking,
+    and a backwards last layer's output order. The check against Keras runs the stack alone, so it cannot tell."""
+    names = {layer.name for layer in chosen}
+    others = [f"{layer.class_name} '{layer.name}'" for layer in kfile.layers
+              if layer.name not in names and layer.class_name not in TRANSPARENT]
+    if others:
+        notes.append(f"only the recurrent stack {' -> '.join(layer.name for layer in chosen)} is converted; the model "
+                     f"also has {', '.join(others)}, which rnnserve does not serve: send what the first recurrent "
+                     f"layer reads as 'input', and apply the other layers yourself")
+    if any(layer.class_name == "Masking" for layer in kfile.layers):
+        notes.append("Masking is served as per-sequence lengths: send each sequence's length ('lengths', or ragged "
+                     "instances to /v1 predict) rather than masked padding; a masked step inside a sequence is not "
+                     "skipped as Keras skips it")
+    last = chosen[-1]
+    cfg = (last.configs or [None])[0] or {}
+    if not last.bidirectional and cfg.get("go_backwards") and cfg.get("return_sequences"):
+        notes.append(f"layer '{last.name}' has go_backwards=True: the served 'output' is in the input's time order "
+                     f"(step t read steps t..T-1), where Keras returns it reversed; 'output_last' is Keras's last step")
 
 
 def _describe(layers: list[KerasLayer]) -> str:

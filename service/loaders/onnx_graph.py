@@ -33,6 +33,14 @@ def read_model(path: Path) -> onnx.ModelProto:
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises DecodeError and friends
+        with path.open("rb") as f:
+            head = f.read(8)
+        if head.startswith(b"PK") or head.startswith(b"\x89HDF"):
+            other = "torch" if head.startswith(b"PK") else "keras"
+            raise ConversionError(
+                f"'{path.name}' is not an ONNX model but a {'zip archive' if other == 'torch' else 'HDF5 file'} "
+                f"(a {'PyTorch' if other == 'torch' else 'Keras'} save?); convert it with --format {other}"
+            ) from exc
         raise ConversionError(
             f"'{path.name}' is not a readable ONNX model: the file is truncated or corrupt "
             f"({type(exc).__name__}: {exc})"

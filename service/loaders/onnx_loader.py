@@ -30,8 +30,11 @@ def load_onnx(path: Path, select: str | None = None, cell: str | None = None, **
     ``select`` names nodes (comma-separated; unnamed nodes are ``<op>_<k>``, k counting
     that op type in graph order, subgraphs included). Without it, every recurrent node
     of the graph must belong to one stack. ``cell``, when given, must match the nodes.
-    Other ``options`` are accepted for interface compatibility and ignored.
+    ``options`` (the Keras loader's recurrent_activation) are refused: an ONNX node names its activations.
     """
+    if options:
+        raise ConversionError(f"the ONNX loader takes no option(s) {', '.join(sorted(options))}; an ONNX node "
+                              f"names its own activations (it knows select and cell)")
     path = Path(path)
     index = GraphIndex(read_model(path), path.parent)
     candidates = recurrent_nodes(index)

@@ -96,6 +96,19 @@ def _weight(index: GraphIndex, node: NodeProto, slot: int, label: str, name: str
     return np.asarray(value, dtype=np.float64)
 
 
+def _check_lengths(index: GraphIndex, node: NodeProto, name: str) -> None:
+    """Refuse a constant ``sequence_lens``: the served model takes lengths per request, so the file's would be lost."""
+    if len(node.input) <= 4 or not node.input[4]:
+        return
+    value = index.constant(node.input[4])
+    if value is not None:
+        shown = np.asarray(value).ravel()[:8].tolist()
+        raise ConversionError(
+            f"node '{name}' has a constant sequence_lens ('{node.input[4]}' = {shown}); rnnserve takes the lengths "
+            f"per request (the 'lengths' input), not from the file. Remove it from the graph, or make it a graph input"
+        )
+
+
 def _check_state(index: GraphIndex, node: NodeProto, slot: int, label: str, name: str, notes: list[str]) -> None:
     if len(node.input) <= slot or not node.input[slot]:
         return
@@ -158,7 +171,13 @@ def node_to_layer(index: GraphIndex, node: NodeProto, notes: list[str]) -> Recur
     if w is None or r is None:
         raise ConversionError(f"node '{name}' lacks its W or R input")
     h = index.attr(node, "hidden_size")
-    h = int(h) if h is not None else int(r.shape[-1])
+    if h is None:
+        # onnxruntime refuses such a node, so a model served from it would answer what no runtime computes
+        raise ConversionError(f"node '{name}' has no hidden_size attribute, which ONNX requires of {op}; "
+                              f"export the model again")
+    h = int(h)
+    if h < 1:
+        raise ConversionError(f"node '{name}' has hidden_size={h}; it must be positive")
     if w.ndim != 3 or w.shape[:2] != (d_count, g * h):
         raise ConversionError(f"node '{name}': W has shape {list(w.shape)}, expected [{d_count}, {g * h}, input_size]")
     if r.shape != (d_count, g * h, h):
@@ -168,6 +187,7 @@ def node_to_layer(index: GraphIndex, node: NodeProto, notes: list[str]) -> Recur
         b = np.zeros((d_count, 2 * g * h))
     elif b.shape != (d_count, 2 * g * h):
         raise ConversionError(f"node '{name}': B has shape {list(b.shape)}, expected {[d_count, 2 * g * h]}")
+    _check_lengths(index, node, name)
     _check_state(index, node, 5, "initial_h", name, notes)
     if op == "LSTM":
         _check_state(index, node, 6, "initial_c", name, notes)

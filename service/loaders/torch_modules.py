@@ -201,6 +201,9 @@ def describe_module(tf: TensorFile, prefix: str, cell: str | None = None) -> Tor
         gates, hidden, out_size = rows // cols, cols, cols
     chosen, notes = _choose_cell(tf, prefix, gates, cell, names[(0, 0, "weight_hh")], (rows, cols), hidden)
     input_size = shape(0, 0, "weight_ih", 2)[1]
+    if input_size < 1:
+        raise ConversionError(f"tensor '{names[(0, 0, 'weight_ih')]}' has shape {list(tf.shapes[names[(0, 0, 'weight_ih')]])}: "
+                              f"an input size of 0 features; save the model with at least one input feature")
     for k in range(num_layers):
         in_k = input_size if k == 0 else directions * out_size
         for d in range(directions):

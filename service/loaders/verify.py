@@ -30,7 +30,14 @@ def verify_against_source(model: PackedModel, loaded: LoadedSource) -> dict[str,
     x, lengths = probe_input(model.spec.input_size)
     if not loaded.ragged_ok:
         lengths = np.full_like(lengths, x.shape[1])
-    expected = np.asarray(loaded.runner(x, lengths), dtype=np.float64)
+    try:
+        expected = np.asarray(loaded.runner(x, lengths), dtype=np.float64)
+    except Exception as exc:  # noqa: BLE001 - any failure of the framework's own runtime is the file's to report
+        first = (str(exc).strip().splitlines() or [""])[-1][:400]
+        raise VerificationError(
+            f"{loaded.format}'s own runtime could not run the source model to check the conversion "
+            f"({type(exc).__name__}: {first}); the file is likely invalid for {loaded.format}: export it again"
+        ) from exc
     got = ReferenceEngine(model, dtype=np.float64).forward(x.astype(np.float64), lengths).output
     if expected.shape != got.shape:
         raise VerificationError(
@@ -44,3 +51,21 @@ def verify_against_source(model: PackedModel, loaded: LoadedSource) -> dict[str,
             f"(tolerance {ATOL:g} + {RTOL:g}*|x|). Check --cell and --select; if the file is right, report this."
         )
     return {"checked": True, "max_abs_diff": diff, "probe": {"batch": 3, "time": 7, "lengths": lengths.tolist()}}
+
+
+def storage_difference(model: PackedModel, dtype: str) -> float:
+    """Max abs difference on the probe input between ``model`` and the same model with its weights stored in
+    ``dtype`` (float16 or bfloat16 round them): what storing it reduced costs, beside the float32 check above.
+    InvalidInput when a weight does not fit ``dtype``."""
+    from ..engines.reference import ReferenceEngine
+    from ..repository.model import stored_weights
+
+    def widened(name: str, w: np.ndarray) -> np.ndarray:
+        return np.asarray(stored_weights(name, np.asarray(w, dtype=np.float32), dtype), dtype=np.float32)
+
+    rounded = PackedModel(model.spec, [widened(f"block{k}.weights", w) for k, w in enumerate(model.weights)],
+                          {n: widened(n, v) for n, v in model.extras.items()}, model.provenance)
+    x, lengths = probe_input(model.spec.input_size)
+    want = ReferenceEngine(model, dtype=np.float64).forward(x.astype(np.float64), lengths).output
+    got = ReferenceEngine(rounded, dtype=np.float64).forward(x.astype(np.float64), lengths).output
+    return float(np.max(np.abs(got - want)))

@@ -6,6 +6,7 @@ spec and provenance as JSON in the string metadata. No pickle anywhere.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -18,10 +19,11 @@ from ..errors import InvalidInput, NotFound
 from ..packing import block_param_count
 from ..spec import RNNSpec
 from .config import ModelConfig, load_config
-from .safetensors_io import load_tensors, save_tensors
+from .safetensors_io import bfloat16_bits_to_float32, float32_to_bfloat16_bits, load_tensors, save_tensors
 
 FORMAT_VERSION = "1"
 STORAGE_DTYPES = ("float32", "float16", "bfloat16")
+MAX_VERSION = 10**18 - 1  # the most digits a version folder may have (see version_number)
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # fullmatch: '$' also matches before a final newline
 
 
@@ -58,23 +60,26 @@ class PackedModel:
         prefix = f"block{k}."
         return {n[len(prefix):]: v for n, v in self.extras.items() if n.startswith(prefix)}
 
-    def save(self, repository: str | Path, name: str, version: int = 1, dtype: str | None = None) -> Path:
-        """Write ``repository/name/version/model.safetensors`` (and a default config.json if none); return it."""
+    def save(self, repository: str | Path, name: str, version: int = 1, dtype: str | None = None,
+             replace: bool = True) -> Path:
+        """Write ``repository/name/version/model.safetensors`` (and a default config.json if none); return it.
+
+        ``replace`` False: refuse a version that already holds a model. A failed write leaves what was
+        there before (the file is renamed into place) and raises InvalidInput naming the path.
+        """
         if not _NAME_RE.fullmatch(name):
             raise InvalidInput(
                 f"model name '{name}' is not allowed: use letters, digits, '_', '-', '.' (max 128), starting alphanumeric"
             )
-        if int(version) < 1:
-            raise InvalidInput(f"version must be >= 1, got {version}")
+        if not 1 <= int(version) <= MAX_VERSION:
+            raise InvalidInput(f"version must be a whole number from 1 to {MAX_VERSION} (the versions a repository "
+                               f"reads), got {version}")
         dtype = dtype or self.storage_dtype
         if dtype not in STORAGE_DTYPES:
             raise InvalidInput(f"dtype '{dtype}' is not supported; use one of {', '.join(STORAGE_DTYPES)}")
-        model_dir = Path(repository) / name
-        vdir = model_dir / str(int(version))
-        vdir.mkdir(parents=True, exist_ok=True)
-        np_dtype = np.float16 if dtype == "float16" else np.float32
-        tensors = {f"block{k}.weights": np.asarray(w, dtype=np.float32).astype(np_dtype) for k, w in enumerate(self.weights)}
-        tensors.update({n: np.asarray(v, dtype=np.float32).astype(np_dtype) for n, v in self.extras.items()})
+        tensors = {f"block{k}.weights": np.asarray(w, dtype=np.float32) for k, w in enumerate(self.weights)}
+        tensors.update({n: np.asarray(v, dtype=np.float32) for n, v in self.extras.items()})
+        tensors = {n: stored_weights(n, t, dtype) for n, t in tensors.items()}
         bf16 = frozenset(tensors) if dtype == "bfloat16" else frozenset()
         metadata = {
             "rnnserve.format_version": FORMAT_VERSION,
@@ -82,13 +87,43 @@ class PackedModel:
             "rnnserve.provenance": json.dumps(self.provenance, sort_keys=True),
             "rnnserve.dtype": dtype,
         }
+        model_dir = Path(repository) / name
+        vdir = model_dir / str(int(version))
         out = vdir / "model.safetensors"
-        save_tensors(out, tensors, metadata, bfloat16=bf16)
-        config = model_dir / "config.json"
-        if not config.exists():
-            # Only what differs from the server's defaults belongs here; see ModelConfig for every field.
-            config.write_text("{}\n")
+        if not replace and out.exists():
+            raise InvalidInput(f"'{out}' exists: version {int(version)} of '{name}' is converted already; pick "
+                               f"another --version, or pass --overwrite to replace it")
+        made = [d for d in (Path(repository), model_dir, vdir) if not d.exists()]
+        try:
+            vdir.mkdir(parents=True, exist_ok=True)
+            save_tensors(out, tensors, metadata, bfloat16=bf16)
+            config = model_dir / "config.json"
+            if not config.exists():
+                # Only what differs from the server's defaults belongs here; see ModelConfig for every field.
+                config.write_text("{}\n")
+        except OSError as exc:
+            for d in reversed(made):  # the folders this call made, innermost first, where nothing else came in
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+            raise InvalidInput(f"cannot write the model to '{out}': {exc.strerror or exc}; pick a --repository "
+                               f"folder you can write to") from exc
         return out
+
+
+def stored_weights(name: str, weights: np.ndarray, dtype: str) -> np.ndarray:
+    """``weights`` (float32) as they are stored in ``dtype`` (bfloat16: float32, rounded when written); refused with
+    InvalidInput when a value does not fit (float16 tops out at 65504: a larger weight would be stored as inf)."""
+    if dtype == "float16":
+        stored = weights.astype(np.float16)
+    elif dtype == "bfloat16":
+        stored = bfloat16_bits_to_float32(float32_to_bfloat16_bits(weights))
+    else:
+        return weights
+    if not np.isfinite(stored).all():
+        biggest = float(np.max(np.abs(weights)))
+        raise InvalidInput(f"tensor '{name}' has a weight of magnitude {biggest:.4g}, past {dtype}'s range; "
+                           f"store this model as float32 (--dtype float32)")
+    return weights.astype(np.float16) if dtype == "float16" else weights
 
 
 def model_versions(model_dir: Path) -> list[int]:
@@ -103,7 +138,8 @@ def version_number(name: str) -> int | None:
     """The version a folder ``name`` holds: a whole number in ASCII digits without leading zeros, else None
     (``str.isdigit`` also takes '²' and other scripts' digits, which ``int`` refuses; '007' would be read as 7
     while its files live in a folder that version 7 does not name)."""
-    if name.isascii() and name.isdigit() and len(name) <= 18 and (name == "0" or not name.startswith("0")):
+    if (name.isascii() and name.isdigit() and len(name) <= len(str(MAX_VERSION))
+            and (name == "0" or not name.startswith("0"))):
         return int(name)
     return None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -56,11 +57,20 @@ def save_tensors(path: str | Path, tensors: dict[str, np.ndarray], metadata: dic
         offset += len(raw)
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
-        for raw in blobs:
-            f.write(raw)
+    # Written beside the target and renamed over it: a server polling the repository never reads a half-written
+    # file, and a write that fails (disk full, a file size limit) leaves the previous file as it was.
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(head)))
+            f.write(head)
+            for raw in blobs:
+                f.write(raw)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def load_tensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str], dict[str, str]]:

@@ -152,6 +152,22 @@ def test_go_backwards_last_layer(tmp_path):
     assert packed.spec.blocks[-1].variant == {"reverse": True}
     x = np.random.default_rng(2).standard_normal((B, T, I)).astype(np.float32)
     close(ours(packed, x), kout(model, x)[:, ::-1])  # Keras returns go_backwards outputs reversed
+    assert any("go_backwards=True: the served 'output' is in the input's time order" in n
+               for n in packed.provenance["notes"])  # the check flips Keras's output: the user must be told
+
+
+def test_notes_name_what_the_served_stack_leaves_out(tmp_path):
+    """The check against Keras runs the recurrent layers alone, so it passes whatever surrounds them: the layers
+    around the stack and Masking's skipped steps must be said, as the ONNX loader says its other ops."""
+    model = keras.Sequential([keras.Input((None, I)), L.Conv1D(I, 1, name="conv"), L.Masking(),
+                              L.LSTM(6, return_sequences=True, name="rec"), L.Dense(2, name="head")])
+    randomize(model)
+    notes = " ".join(convert(save(model, tmp_path, "keras")).provenance["notes"])
+    assert "only the recurrent stack rec is converted; the model also has Conv1D 'conv', Dense 'head'" in notes
+    assert "Masking is served as per-sequence lengths" in notes and "inside a sequence is not skipped" in notes
+    plain = keras.Sequential([keras.Input((None, I)), L.LSTM(6, return_sequences=True)])
+    randomize(plain)
+    assert convert(save(plain, tmp_path, "keras", "plain")).provenance["notes"] == []
 
 
 def test_last_layer_without_sequences(tmp_path):

@@ -444,3 +444,49 @@ def test_state_expanded_from_a_nonzero_constant_is_refused(tmp_path):
     path = _save(tmp_path, nodes, [w, r, b] + consts, [_f("X", ["T", "N", 4])], [_f("y")])
     with pytest.raises(ConversionError, match="nonzero initial_h .* built inside the graph"):
         load_onnx(path)
+
+
+def test_constant_sequence_lens_is_refused(tmp_path):
+    """The served model takes lengths per request: a length fixed in the file would be lost without a word."""
+    w, r, b = _weights("", "LSTM", 4, 3)
+    lens = numpy_helper.from_array(np.array([2], np.int32), "sl")
+    node = helper.make_node("LSTM", ["X", "W", "R", "B", "sl"], ["y"], hidden_size=3)
+    path = _save(tmp_path, [node], [w, r, b, lens], [_f("X", ["T", 1, 4])], [_f("y")])
+    with pytest.raises(ConversionError, match=r"constant sequence_lens \('sl' = \[2\]\).*per request"):
+        load_onnx(path)
+
+
+@pytest.mark.parametrize("hidden,problem", [(None, "has no hidden_size attribute"), (0, "hidden_size=0"),
+                                            (-3, "hidden_size=-3")])
+def test_a_missing_or_bad_hidden_size_is_refused(tmp_path, hidden, problem):
+    """onnxruntime refuses such a node, so its weights' shapes must not stand in for the attribute."""
+    w, r, b = _weights("", "GRU", 4, 3)
+    attrs = {} if hidden is None else {"hidden_size": hidden}
+    node = helper.make_node("GRU", ["X", "W", "R", "B"], ["y"], **attrs)
+    path = _save(tmp_path, [node], [w, r, b], [_f("X", ["T", 1, 4])], [_f("y")])
+    with pytest.raises(ConversionError, match=problem):
+        load_onnx(path)
+
+
+def test_a_node_onnxruntime_cannot_run_fails_verification_in_one_message(tmp_path):
+    """The loader reads weights, not every attribute: an attribute ONNX does not define is onnxruntime's to refuse,
+    and its refusal becomes the conversion's error, not a traceback."""
+    from service.errors import VerificationError
+
+    w, r, b = _weights("", "LSTM", 4, 3)
+    node = helper.make_node("LSTM", ["X", "W", "R", "B"], ["y"], hidden_size=3, foo=3)
+    path = _save(tmp_path, [node], [w, r, b], [_f("X", ["T", "N", 4])], [_f("y")])
+    with pytest.raises(VerificationError, match="onnx's own runtime could not run the source model .*foo"):
+        convert(path)
+
+
+def test_keras_options_and_other_formats_are_named(tmp_path):
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "m.onnx"
+    onnx.save(_node_model("GRU"), str(path))
+    with pytest.raises(ConversionError, match="ONNX loader takes no option\\(s\\) recurrent_activation"):
+        load_onnx(path, recurrent_activation="hard_sigmoid")
+    saved = tmp_path / "lstm.onnx"
+    torch.save(torch.nn.LSTM(3, 4).state_dict(), saved)
+    with pytest.raises(ConversionError, match="not an ONNX model but a zip archive .*--format torch"):
+        load_onnx(saved)

@@ -399,3 +399,13 @@ def test_bad_files(tmp_path, case):
 def test_unknown_option_is_refused(tmp_path):
     with pytest.raises(ConversionError, match=r"takes no option\(s\) opset"):
         load_torch(save_pt(tmp_path, make("gru").state_dict()), None, None, opset=17)
+
+
+def test_an_input_size_of_zero_is_refused_before_torch_builds_a_module(tmp_path):
+    """Checked with the shapes, so --no-verify (no torch module built) gets the same message."""
+    sd = torch.nn.LSTM(4, 8).state_dict()
+    sd["weight_ih_l0"] = torch.zeros(32, 0)
+    path = save_pt(tmp_path, sd)
+    for verify in (True, False):
+        with pytest.raises(ConversionError, match=r"'weight_ih_l0' has shape \[32, 0\]: an input size of 0 features"):
+            service.convert(path, verify=verify)
