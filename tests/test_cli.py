@@ -239,3 +239,17 @@ def test_reduced_precision_is_refused_past_its_range_and_its_cost_is_reported(tm
     assert res.returncode == 2 and "tensor 'block0.weights' has a weight of magnitude 1e+06, past float16's range" \
         in res.stderr
     assert not (tmp_path / "repo" / "big").exists()
+
+
+def test_inspect_says_which_part_of_the_path_is_wrong(torch_file, tmp_path):
+    assert rnnserve("convert", torch_file[0], "--name", "m", "--repository", tmp_path, "--no-verify").returncode == 0
+    res = rnnserve("inspect", tmp_path / "m" / "2")
+    assert res.returncode == 2 and "model 'm' has no version 2 (have [1])" in res.stderr
+    res = rnnserve("inspect", tmp_path)
+    assert res.returncode == 2 and f"'{tmp_path}' is a model repository; name one of its models" in res.stderr
+    res = rnnserve("inspect", tmp_path / "m" / "1" / "model.safetensors" / "x")
+    assert res.returncode == 2 and "no model at" in res.stderr
+    res = rnnserve("inspect", "/dev/null")
+    assert res.returncode == 2 and "not a model folder: '/dev/null'" in res.stderr
+    res = rnnserve("convert", torch_file[0], "--name", "e", "--repository", tmp_path, "--select", " , ")
+    assert res.returncode == 2 and "--select is empty" in res.stderr

@@ -69,6 +69,8 @@ def convert(source: Any, format: str | None = None, select: str | None = None, c
         raise ConversionError(f"source file '{path}' does not exist")
     if path.is_dir():
         raise ConversionError(f"'{path}' is a folder; pass the model file itself (.pt, .keras, .h5, .onnx, ...)")
+    if select is not None and not any(s.strip() for s in select.split(",")):
+        raise ConversionError("--select is empty; name the layers to convert (comma separated), or leave it out")
     if not path.is_file():
         raise ConversionError(f"'{path}' is not a regular file (a device, pipe or socket); pass the model file itself")
     fmt = detect_format(path) if format in (None, "auto") else format

@@ -153,8 +153,14 @@ def resolve_model_path(path: str | Path) -> tuple[Path, int]:
         return path.parent, int(path.name)
     versions = model_versions(path)
     if not versions:
-        if not path.exists():
-            raise NotFound(f"no model at '{path}': expected REPO/NAME or REPO/NAME/VERSION")
+        others = model_versions(path.parent) if version_number(path.name) is not None else []
+        if others:  # REPO/NAME/V where the model has other versions
+            raise NotFound(f"model '{path.parent.name}' has no version {path.name} (have {others})")
+        if not path.is_dir():
+            what = "no model at" if not path.exists() else "not a model folder:"
+            raise NotFound(f"{what} '{path}': expected REPO/NAME or REPO/NAME/VERSION")
+        if any(model_versions(p) for p in path.iterdir() if p.is_dir()):
+            raise NotFound(f"'{path}' is a model repository; name one of its models: {path}/NAME")
         raise NotFound(f"'{path}' holds no version folder with a model.safetensors (e.g. {path}/1/model.safetensors)")
     return path, versions[-1]
 
