@@ -16,6 +16,7 @@ import pickle
 import re
 import struct
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -95,10 +96,17 @@ def _looks_like_safetensors(head: bytes, size: int) -> bool:
 def _zip_names(path: Path) -> list[str]:
     try:
         with zipfile.ZipFile(path) as z:
-            return z.namelist()
-    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+            # torch.load does not check the members' CRCs, so a flipped byte in the weights would convert (and
+            # verify: the check reads the same bytes) into a model that is silently wrong
+            bad = z.testzip()
+            names = z.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, zlib.error) as exc:
         raise ConversionError(
             f"'{path.name}' is a truncated or corrupt zip archive ({exc}); save the model again") from exc
+    if bad is not None:
+        raise ConversionError(f"'{path.name}' is corrupt: its member '{bad}' fails the zip's checksum (CRC); "
+                              f"save the model again")
+    return names
 
 
 def _what_is_it(path: Path, head: bytes) -> str:

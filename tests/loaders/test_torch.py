@@ -409,3 +409,16 @@ def test_an_input_size_of_zero_is_refused_before_torch_builds_a_module(tmp_path)
     for verify in (True, False):
         with pytest.raises(ConversionError, match=r"'weight_ih_l0' has shape \[32, 0\]: an input size of 0 features"):
             service.convert(path, verify=verify)
+
+
+def test_a_flipped_byte_in_the_weights_fails_the_zip_checksum(tmp_path):
+    """torch.load reads such a file without complaint (and the check against torch reads the same wrong bytes)."""
+    mod = torch.nn.LSTM(4, 8)
+    path = save_pt(tmp_path, mod.state_dict())
+    data = bytearray(path.read_bytes())
+    at = data.find(mod.weight_hh_l0.detach().numpy().tobytes()[:16])
+    assert at > 0
+    data[at + 5] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(ConversionError, match=r"is corrupt: its member '.*' fails the zip's checksum"):
+        service.convert(path)
