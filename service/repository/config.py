@@ -13,6 +13,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Fiel
 from pydantic_core import PydanticCustomError
 
 from ..errors import InvalidInput
+from .files import read_regular
 
 
 def _refuse_bool(expected: str) -> BeforeValidator:
@@ -89,16 +90,17 @@ class ModelConfig(BaseModel):
     )
 
 
+CONFIG_LIMIT = 1 << 20  # a config is a few settings; more is not one
+
+
 def load_config(model_dir: str | Path) -> ModelConfig:
     """Read ``model_dir/config.json`` (defaults when absent); errors name the field to fix."""
     path = Path(model_dir) / "config.json"
     if not path.exists():
         return ModelConfig()
+    raw = read_regular(path, str(path), "make it a readable JSON file of settings", CONFIG_LIMIT)
     try:
-        data = json.loads(path.read_text())
-    except OSError as exc:  # a folder by that name, no permission
-        raise InvalidInput(f"{path} cannot be read ({type(exc).__name__}: {exc.strerror or exc}); make it a readable "
-                           "JSON file") from exc
+        data = json.loads(raw.decode("utf-8"))
     except RecursionError:
         raise InvalidInput(f"{path} nests too deep to be a config; it holds one JSON object of settings") from None
     except ValueError as exc:  # UnicodeDecodeError too

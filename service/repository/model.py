@@ -135,11 +135,11 @@ def model_versions(model_dir: Path) -> list[int]:
 
 
 def version_number(name: str) -> int | None:
-    """The version a folder ``name`` holds: a whole number in ASCII digits without leading zeros, else None
+    """The version a folder ``name`` holds: a whole number from 1 in ASCII digits without leading zeros, else None
     (``str.isdigit`` also takes '²' and other scripts' digits, which ``int`` refuses; '007' would be read as 7
     while its files live in a folder that version 7 does not name)."""
     if (name.isascii() and name.isdigit() and len(name) <= len(str(MAX_VERSION))
-            and (name == "0" or not name.startswith("0"))):
+            and not name.startswith("0")):
         return int(name)
     return None
 

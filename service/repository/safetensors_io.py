@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import InvalidInput
+from .files import read_regular
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32}
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
@@ -81,11 +82,7 @@ def load_tensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str
     """
     path = Path(path)
     where = f"model file {path}"
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise InvalidInput(f"{where} cannot be read ({type(exc).__name__}: {exc.strerror or exc}); check its "
-                           f"permissions or {_FIX}") from None
+    data = read_regular(path, where, f"check its permissions or {_FIX}")
     header, body = _split(data, where)
     metadata = _metadata(header.pop("__metadata__", None), where)
     entries = [_entry(name, info, len(body), where) for name, info in header.items()]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -80,9 +81,21 @@ def test_allow_tf32_takes_only_json_booleans(tmp_path, value):
 
 def test_a_config_that_cannot_be_read_says_so(tmp_path):
     (tmp_path / "config.json").mkdir()
-    with pytest.raises(InvalidInput, match=r"config.json cannot be read \(IsADirectoryError: Is a directory\); make it"):
+    with pytest.raises(InvalidInput, match=r"config.json is a folder, not a regular file; make it"):
         load_config(tmp_path)
     (tmp_path / "config.json").rmdir()
+    # a pipe would block the read (the event loop, the model's lock) and /dev/zero never ends: both refused unread
+    os.mkfifo(tmp_path / "config.json")
+    with pytest.raises(InvalidInput, match=r"config.json is a pipe, not a regular file"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").symlink_to("/dev/zero")
+    with pytest.raises(InvalidInput, match=r"config.json is a device or socket, not a regular file"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text("{}" + " " * (1 << 20))
+    with pytest.raises(InvalidInput, match=r"config.json has 1,048,578 bytes, more than the 1,048,576 it may have"):
+        load_config(tmp_path)
     (tmp_path / "config.json").write_text("[" * 100_000)
     with pytest.raises(InvalidInput, match="nests too deep"):
         load_config(tmp_path)

@@ -3,6 +3,7 @@ the tensor, what is wrong and what to do; it was a TypeError, KeyError or Attrib
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -178,7 +179,13 @@ def test_a_file_that_cannot_be_read_is_refused(tmp_path):
     path = _saved(tmp_path)
     path.unlink()
     path.mkdir()
-    assert "cannot be read (IsADirectoryError: Is a directory); check its permissions or" in _refused(path)
+    assert "is a folder, not a regular file; check its permissions or" in _refused(path)
+    path.rmdir()
+    os.mkfifo(path)  # read, it would block the load for good (and the model's lock with it)
+    assert "is a pipe, not a regular file" in _refused(path)
+    path.unlink()
+    path.symlink_to("/dev/zero")  # read, it would fill the memory until the kernel killed the server
+    assert "is a device or socket, not a regular file" in _refused(path)
 
 
 def test_a_tensor_whose_shape_disagrees_with_the_spec_names_the_file(tmp_path):
