@@ -43,6 +43,7 @@ class DataPlane:
         self._series: dict[tuple, Any] = {}
         self._signatures: dict[int, tuple[Any, ModelSignature]] = {}
         self._views: dict[int, ModelView] = {}
+        self._changes: set[asyncio.Task] = set()  # loads and unloads under way (see _to_its_end)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -331,7 +332,24 @@ class DataPlane:
         return self.metrics.render()
 
     async def load_model(self, name: str) -> None:
-        await self.registry.load(name)
+        await self._to_its_end(self.registry.load(name))
 
     async def unload_model(self, name: str) -> None:
-        await self.registry.unload(name)
+        await self._to_its_end(self.registry.unload(name))
+
+    async def _to_its_end(self, change: Any) -> None:
+        """Await a repository ``change``, which runs to its end even when the caller is cancelled.
+
+        A gRPC call whose deadline passes is cancelled, and the cancellation used to land inside the load or
+        unload: a version stayed UNLOADING for good, the next load and unload answered 500, and requests the
+        scheduler held were never answered. The caller still gets its cancellation; the change completes.
+        """
+        task = asyncio.ensure_future(change)
+        self._changes.add(task)
+        task.add_done_callback(self._change_done)
+        await asyncio.shield(task)
+
+    def _change_done(self, task: asyncio.Task) -> None:
+        self._changes.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: the caller has it, or left; the registry logged the failure

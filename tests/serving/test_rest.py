@@ -1,6 +1,7 @@
 """REST transport over the real dataplane, in process (httpx.ASGITransport): every route and error."""
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 
@@ -628,3 +629,36 @@ async def test_an_error_quoting_a_lone_surrogate_still_answers():
 
     r = error_response(InvalidInput("unknown input '\ud800'"))
     assert r.status_code == 400 and json.loads(r.body) == {"error": "unknown input '\\ud800'"}
+
+
+async def test_an_unload_whose_caller_is_cancelled_still_completes_and_drains(repo):
+    """A gRPC unload past its deadline is cancelled; the cancellation used to land inside the unload's drain,
+    leaving the version UNLOADING for good, later loads and unloads answering 500, and held requests unanswered."""
+    from service.spec import BlockSpec
+
+    make_model(BlockSpec("lstm", 4, 128, num_layers=2), seed=3).save(repo, "wide", 1)  # ~0.2 s per 10,000 steps
+    x = np.random.default_rng(0).standard_normal((1, 40000, 4)).astype(np.float32)
+    head = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape),
+                                   "parameters": {"binary_data_size": x.nbytes}}],
+                       "outputs": [{"name": "output_last", "parameters": {"binary_data": False}}]}).encode()
+    binary = {"content": head + x.tobytes(), "headers": {"Inference-Header-Content-Length": str(len(head))}}
+    async with rest_client(repo) as (client, dataplane):
+        infers = [asyncio.ensure_future(client.post("/v2/models/wide/infer", **binary)) for _ in range(6)]
+        await asyncio.sleep(0.2)  # queued or running (each ~0.8 s of the engine)
+        unload = asyncio.ensure_future(dataplane.unload_model("wide"))
+        await asyncio.sleep(0.02)
+        rows = {r["name"]: r for r in (await client.post("/v2/repository/index")).json()}
+        assert rows["wide"]["state"] == "UNLOADING"  # cancelled in the middle of its drain
+        unload.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await unload
+        answers = await asyncio.gather(*infers)
+        assert [r.status_code for r in answers] == [200] * 6
+        for _ in range(100):
+            rows = {r["name"]: r for r in (await client.post("/v2/repository/index")).json()}
+            if rows["wide"]["state"] != "UNLOADING":
+                break
+            await asyncio.sleep(0.05)
+        assert rows["wide"] == {"name": "wide", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
+        assert (await client.post("/v2/repository/models/wide/load")).status_code == 200
+        assert (await client.post("/v2/models/wide/infer", **binary)).status_code == 200
