@@ -88,6 +88,8 @@ class ModelEntry:
     state: ModelState = ModelState.UNAVAILABLE
     reason: str = ""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # why the last load stopped before any version, while earlier versions still serve ("" when it did not)
+    last_failure: str = ""
 
 
 def effective_config(model_dir: Path, defaults: dict[str, Any]) -> ModelConfig:
@@ -167,7 +169,10 @@ class ModelRegistry:
                 rows.append({"name": name, "version": "", "state": entry.state.value, "reason": entry.reason})
             for v in sorted(entry.versions):
                 sv = entry.versions[v]
-                rows.append({"name": name, "version": sv.label, "state": sv.state.value, "reason": sv.reason})
+                reason = sv.reason
+                if not reason and entry.last_failure and sv.state == ModelState.READY:
+                    reason = f"serving the earlier load; the last load failed: {entry.last_failure}"
+                rows.append({"name": name, "version": sv.label, "state": sv.state.value, "reason": reason})
         if ready_only:
             rows = [r for r in rows if r["state"] == ModelState.READY.value]
         return rows
@@ -251,7 +256,10 @@ class ModelRegistry:
                     await self._retire(sv, drain=True)
                 entry.versions.clear()
                 entry.state, entry.reason = ModelState.UNAVAILABLE, exc.message
+            else:
+                entry.last_failure = exc.message
             raise
+        entry.last_failure = ""
         old = dict(entry.versions)
         fresh = {v: ServedVersion(entry.name, v, config=config) for v in wanted}
         for v, sv in fresh.items():

@@ -662,3 +662,18 @@ async def test_an_unload_whose_caller_is_cancelled_still_completes_and_drains(re
         assert rows["wide"] == {"name": "wide", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
         assert (await client.post("/v2/repository/models/wide/load")).status_code == 200
         assert (await client.post("/v2/models/wide/infer", **binary)).status_code == 200
+
+
+async def test_a_reload_that_fails_on_its_config_says_so_beside_the_versions_still_serving(repo):
+    """The old versions keep serving, and the index says why the reload did not take (it said nothing)."""
+    async with rest_client(repo) as (client, dataplane):
+        (repo / "lstm" / "config.json").write_text("{bad")
+        r = await client.post("/v2/repository/models/lstm/load")
+        assert r.status_code == 400 and "config.json is not valid JSON" in r.json()["error"]
+        row = next(r for r in (await client.post("/v2/repository/index")).json() if r["name"] == "lstm")
+        assert row["state"] == "READY" and row["reason"].startswith(
+            "serving the earlier load; the last load failed: ") and "config.json is not valid JSON" in row["reason"]
+        (repo / "lstm" / "config.json").write_text("{}")
+        assert (await client.post("/v2/repository/models/lstm/load")).status_code == 200
+        row = next(r for r in (await client.post("/v2/repository/index")).json() if r["name"] == "lstm")
+        assert row == {"name": "lstm", "version": "1", "state": "READY", "reason": ""}
