@@ -15,8 +15,8 @@ every loadable model is then READY.
 """
 from __future__ import annotations
 
-import contextlib
 import asyncio
+import contextlib
 import itertools
 import logging
 import re
@@ -208,6 +208,14 @@ class ModelRegistry:
             if entry is not None and entry.state == ModelState.LOADING and not entry.versions:
                 # refused before its folder was read (a folder whose name is not a model name): say why
                 entry.state, entry.reason = ModelState.UNAVAILABLE, exc.message
+                self._none_ready(name)
+
+    def _none_ready(self, name: str) -> None:
+        """Model ``name`` failed before any version: ``rnnserve_model_ready{version=""}`` 0, so that an alert on
+        ``rnnserve_model_ready == 0`` sees a model that never had a version to mark (a bad config.json, no
+        version folder); its first ready version removes it."""
+        if self.metrics is not None:
+            self.metrics.model_ready.labels(model=name, version="").set(0)
 
     async def load(self, name: str) -> None:
         """(Re)load model ``name`` from the repository per its version policy; raise the load error if any."""
@@ -256,6 +264,7 @@ class ModelRegistry:
                     await self._retire(sv, drain=True)
                 entry.versions.clear()
                 entry.state, entry.reason = ModelState.UNAVAILABLE, exc.message
+                self._none_ready(entry.name)
             else:
                 entry.last_failure = exc.message
             raise
@@ -341,6 +350,8 @@ class ModelRegistry:
         if self.metrics is not None:
             self.metrics.model_load_duration.labels(model=sv.name, version=sv.label).observe(elapsed)
             self.metrics.model_ready.labels(model=sv.name, version=sv.label).set(1)
+            with contextlib.suppress(KeyError):  # the model's "no version" series (see _none_ready), if set
+                self.metrics.model_ready.remove(sv.name, "")
             self.metrics.model_engine.labels(model=sv.name, version=sv.label, engine=engine.name).set(1)
         log.info("model %s version %s ready on %s engine in %.2fs (max_batch_size %d, max_queue_delay_us %d, "
                  "max_batch_memory %d MiB: %d sequence steps)", sv.name, sv.version, engine.name, elapsed,

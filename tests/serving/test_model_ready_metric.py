@@ -100,3 +100,19 @@ async def test_a_failed_load_reads_0_and_a_failed_reload_of_a_serving_version_ke
         assert (await client.post("/v2/repository/models/lstm/load")).status_code == 400
         gauges = await _gauges(client, "lstm")
         assert gauges[("rnnserve_model_ready", "1")] == 1 and gauges[("rnnserve_model_ready", "2")] == 0
+
+
+async def test_a_model_that_fails_before_any_version_reads_0_until_a_version_is_ready(tmp_path):
+    """A bad config.json (or no version folder) leaves no version to mark: the model's series with version ""
+    reads 0, and its first ready version replaces it."""
+    repo = tmp_path / "models"
+    make_model(*LSTM, seed=3).save(repo, "lstm", 1)
+    (repo / "lstm" / "config.json").write_text('{"max_batch_size": 0}')
+    (repo / "empty").mkdir()
+    async with rest_client(repo) as (client, _):
+        assert await _gauges(client, "lstm") == {("rnnserve_model_ready", ""): 0.0}
+        assert await _gauges(client, "empty") == {("rnnserve_model_ready", ""): 0.0}
+        (repo / "lstm" / "config.json").write_text("{}")
+        assert (await client.post("/v2/repository/models/lstm/load")).status_code == 200
+        gauges = await _gauges(client, "lstm")
+        assert gauges[("rnnserve_model_ready", "1")] == 1.0 and ("rnnserve_model_ready", "") not in gauges
