@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool, Tag, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool, StrictInt, Tag, ValidationError
 from pydantic_core import PydanticCustomError
 
 from ..errors import InvalidInput
@@ -30,8 +30,9 @@ def _refuse_bool(expected: str) -> BeforeValidator:
     return BeforeValidator(check)
 
 
-Integer = Annotated[int, _refuse_bool("an integer")]
-Number = Annotated[float, _refuse_bool("a number")]
+# Strict: "8" and 8.0 are typos of 8 in a file people edit, refused as the field names are
+Integer = Annotated[StrictInt, _refuse_bool("an integer")]
+Number = Annotated[float, _refuse_bool("a number"), Field(allow_inf_nan=False)]
 # version numbers (>= 1), at least one: an empty list loaded "successfully" into a model with no version
 VersionList = Annotated[list[Annotated[Integer, Field(ge=1)]], Field(min_length=1)]
 # Tagged so an error names one branch ("version_policy.list.0: ..."), not both in pydantic's internal spelling.
@@ -58,9 +59,10 @@ class ModelConfig(BaseModel):
                     "while a batch computes form the next batch, so batching needs no added latency.",
     )
     max_queue_size: Integer = Field(
-        1024, ge=1, description="Requests waiting at most; more are refused at once with UNAVAILABLE (503)."
+        1024, ge=1, le=10_000_000,
+        description="Requests waiting at most; more are refused at once with UNAVAILABLE (503)."
     )
-    max_sequence_length: Integer = Field(100_000, ge=1, description="Longest T accepted per request.")
+    max_sequence_length: Integer = Field(100_000, ge=1, le=1_000_000_000, description="Longest T accepted per request.")
     max_batch_memory_mb: Integer = Field(
         0, ge=0, description="Working memory one engine call may use, in MiB (estimated from the model's layers: "
                              "rows x longest length x bytes per step; `rnnserve inspect` prints it). A request needing more alone is "
@@ -79,7 +81,7 @@ class ModelConfig(BaseModel):
         "latest", description="Which versions to serve: 'latest', 'all' or a list of version numbers."
     )
     max_streams: Integer = Field(
-        1024, ge=1, description="Live stateful streams at most; more are refused with UNAVAILABLE."
+        1024, ge=1, le=10_000_000, description="Live stateful streams at most; more are refused with UNAVAILABLE."
     )
     frontend_in_flight: Integer = Field(
         2, ge=1, le=64,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -101,4 +102,26 @@ def test_a_config_that_cannot_be_read_says_so(tmp_path):
         load_config(tmp_path)
     (tmp_path / "config.json").write_bytes(b"\xff\xfe{")
     with pytest.raises(InvalidInput, match="is not valid JSON"):
+        load_config(tmp_path)
+
+
+@pytest.mark.parametrize("field,value,problem", [
+    ("max_batch_size", "8", "Input should be a valid integer"),
+    ("max_batch_size", 8.0, "Input should be a valid integer"),
+    ("version_policy", ["1"], "version_policy.list.0: Input should be a valid integer"),
+    ("max_queue_size", 10**20, "less than or equal to 10000000"),
+    ("max_sequence_length", 10**19, "less than or equal to 1000000000"),
+    ("max_streams", 10**11, "less than or equal to 10000000"),
+])
+def test_numbers_must_be_what_the_field_takes(tmp_path, field, value, problem):
+    """A string or a float where an integer belongs is a typo in a file people edit; pydantic's lax mode served
+    "8" as 8. Counts past any machine's reach are refused too."""
+    (tmp_path / "config.json").write_text(json.dumps({field: value}))
+    with pytest.raises(InvalidInput, match=re.escape(problem)):
+        load_config(tmp_path)
+
+
+def test_an_infinite_idle_timeout_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text('{"stream_idle_timeout_s": Infinity}')
+    with pytest.raises(InvalidInput, match="stream_idle_timeout_s: Input should be a finite number"):
         load_config(tmp_path)
