@@ -13,7 +13,7 @@ from .. import __version__
 from ..errors import ConversionError, InvalidInput
 from ..repository import PackedModel
 from .layers import RecurrentLayer, assemble
-from .source import LoadedSource
+from .source import LoadedSource, sniff_format
 
 FORMATS = ("torch", "keras", "onnx")
 _EXTENSIONS = {
@@ -28,12 +28,9 @@ def detect_format(path: Path) -> str:
     ext = path.suffix.lower()
     if ext in _EXTENSIONS:
         return _EXTENSIONS[ext]
-    with path.open("rb") as f:  # the first bytes only: a device file or a huge file is not read whole
-        head = f.read(8)
-    if head.startswith(b"\x89HDF"):
-        return "keras"
-    if head.startswith(b"PK"):
-        return "torch"  # torch.save / TorchScript zip; .keras zips have their own extension
+    sniffed = sniff_format(path)
+    if sniffed is not None:
+        return sniffed
     raise ConversionError(
         f"cannot tell the format of '{path.name}' from its extension '{ext}'; pass --format torch|keras|onnx"
     )

@@ -17,6 +17,7 @@ import onnx
 from onnx import AttributeProto, NodeProto, TensorProto, helper, numpy_helper
 
 from ..errors import ConversionError
+from .source import sniff_format
 
 RECURRENT_OPS = ("LSTM", "GRU", "RNN")
 # Ops that move or relabel data without changing values.
@@ -33,10 +34,8 @@ def read_model(path: Path) -> onnx.ModelProto:
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises DecodeError and friends
-        with path.open("rb") as f:
-            head = f.read(8)
-        if head.startswith(b"PK") or head.startswith(b"\x89HDF"):
-            other = "torch" if head.startswith(b"PK") else "keras"
+        other = sniff_format(path)
+        if other is not None:
             raise ConversionError(
                 f"'{path.name}' is not an ONNX model but a {'zip archive' if other == 'torch' else 'HDF5 file'} "
                 f"(a {'PyTorch' if other == 'torch' else 'Keras'} save?); convert it with --format {other}"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -24,3 +25,15 @@ class LoadedSource:
     runner: SourceRunner | None = None   # None when the framework is not installed
     ragged_ok: bool = True               # whether ``runner`` honours per-sequence lengths
     details: dict[str, Any] = field(default_factory=dict)
+
+
+def sniff_format(path: Path) -> str | None:
+    """The format a file's first bytes show: "keras" (HDF5), "torch" (a zip: torch.save or TorchScript; .keras
+    zips have their own extension), else None. Only 8 bytes are read, whatever the file is."""
+    with path.open("rb") as f:
+        head = f.read(8)
+    if head.startswith(b"\x89HDF"):
+        return "keras"
+    if head.startswith(b"PK"):
+        return "torch"
+    return None

@@ -123,7 +123,7 @@ def stored_weights(name: str, weights: np.ndarray, dtype: str) -> np.ndarray:
         biggest = float(np.max(np.abs(weights)))
         raise InvalidInput(f"tensor '{name}' has a weight of magnitude {biggest:.4g}, past {dtype}'s range; "
                            f"store this model as float32 (--dtype float32)")
-    return weights.astype(np.float16) if dtype == "float16" else weights
+    return stored if dtype == "float16" else weights
 
 
 def model_versions(model_dir: Path) -> list[int]:
