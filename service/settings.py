@@ -18,6 +18,7 @@ from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .errors import InvalidInput
+from .finite import FiniteFloat
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -50,7 +51,7 @@ class ServeSettings(BaseSettings):
     max_streams: int = Field(
         1024, ge=1, description="Default live stateful streams (sequence_id) per model; one more gets UNAVAILABLE (503)."
     )
-    stream_idle_timeout_s: float = Field(
+    stream_idle_timeout_s: FiniteFloat = Field(
         60.0, gt=0, description="Default seconds a stateful stream may go without a chunk before its state is dropped."
     )
     frontend_in_flight: int = Field(
@@ -64,7 +65,7 @@ class ServeSettings(BaseSettings):
         description="Largest request body (HTTP) or message (gRPC) accepted, in bytes. It bounds answers too: gRPC "
                     "messages, and HTTP answers sent as JSON (~20 bytes a number; binary outputs are not held to it).",
     )
-    body_timeout_s: float = Field(
+    body_timeout_s: FiniteFloat = Field(
         60.0, ge=0,
         description="Longest pause, in seconds, between the parts of an HTTP request body. A client that sends its "
                     "headers or part of a body and then stops gets 408 and the connection closes, instead of holding "
@@ -109,7 +110,7 @@ class ServeSettings(BaseSettings):
                     "default made a 1.4 ms batch take 126 ms on an H200 (bench/batch_path.py). Front-end processes: "
                     "gRPC's poller thread needs the GIL for every call it completes.",
     )
-    drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM/SIGINT, how long in-flight requests may finish.")
+    drain_timeout_s: FiniteFloat = Field(30.0, ge=0, description="On SIGTERM/SIGINT, how long in-flight requests may finish.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
 
     @classmethod

@@ -61,7 +61,14 @@ def _select(tf: TensorFile, path: Path, select: str | None, cell: str | None) ->
         raise ConversionError(f"'{path.name}' holds {len(prefixes)} recurrent modules: {_candidates(tf, prefixes)}; "
                               f"pass --select PREFIX to choose one")
     chosen = []
-    for part in (p.strip().rstrip(".") for p in select.split(",")):
+    parts = [p.strip().rstrip(".") for p in select.split(",")]
+    twice = sorted({p for p in parts if parts.count(p) > 1})
+    if twice:
+        # stacking a module on itself is a typo far more often than weight sharing, and a stored model
+        # holds each layer once
+        raise ConversionError(f"--select names {', '.join(repr(p) for p in twice)} more than once; name each "
+                              f"recurrent module once, in the order the model stacks them")
+    for part in parts:
         prefix = "" if part == ROOT else part
         if prefix in prefixes:
             chosen.append(describe_module(tf, prefix, cell))

@@ -236,7 +236,9 @@ def _choose_cell(tf: TensorFile, prefix: str, gates: int, cell: str | None, hh_n
             if mode is not None:
                 return mode, []
             return "rnn_tanh", [f"'{display(prefix)}' is an Elman RNN; the file does not store its nonlinearity, "
-                                f"so tanh is assumed: pass --cell rnn_relu if the model uses nonlinearity='relu'"]
+                                f"so tanh is assumed: pass --cell rnn_relu if the model uses nonlinearity='relu' "
+                                f"(the check against torch rebuilds the module under the same assumption, so it "
+                                f"cannot catch a wrong one)"]
     elif wanted is None or wanted == from_shape:
         return from_shape, []
     is_what = {"lstm": "an LSTM (4H rows)", "gru": "a GRU (3H rows)", "rnn_tanh": "an RNN (H rows)"}[from_shape]

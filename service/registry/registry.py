@@ -31,7 +31,7 @@ from ..engines import create_engine
 from ..errors import InvalidInput, NotFound, RNNServeError, Unavailable
 from ..metrics import ServerMetrics
 from ..repository import ModelConfig, PackedModel, load_config, load_model
-from ..repository.model import model_versions, version_number
+from ..repository.model import model_versions, unserved_folders, version_number
 from ..scheduler import MemoryBudget, Scheduler, StreamStore
 
 log = logging.getLogger("rnnserve.registry")
@@ -311,8 +311,10 @@ class ModelRegistry:
     def _policy_versions(self, model_dir: Path, config: ModelConfig) -> list[int]:
         present = model_versions(model_dir)
         if not present:
+            others = unserved_folders(model_dir)
+            seen = f"; its folders hold none: {', '.join(others)}" if others else ""
             raise InvalidInput(f"model folder {model_dir} has no version folder with a model.safetensors "
-                               f"(expected {model_dir}/1/model.safetensors)")
+                               f"(expected {model_dir}/1/model.safetensors){seen}")
         policy = config.version_policy
         if policy == "latest":
             return [present[-1]]

@@ -13,6 +13,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Fiel
 from pydantic_core import PydanticCustomError
 
 from ..errors import InvalidInput
+from ..finite import Finite
 from .files import read_regular
 
 
@@ -32,7 +33,7 @@ def _refuse_bool(expected: str) -> BeforeValidator:
 
 # Strict: "8" and 8.0 are typos of 8 in a file people edit, refused as the field names are
 Integer = Annotated[StrictInt, _refuse_bool("an integer")]
-Number = Annotated[float, _refuse_bool("a number"), Field(allow_inf_nan=False)]
+Number = Annotated[float, _refuse_bool("a number"), Finite]
 # version numbers (>= 1), at least one: an empty list loaded "successfully" into a model with no version
 VersionList = Annotated[list[Annotated[Integer, Field(ge=1)]], Field(min_length=1)]
 # Tagged so an error names one branch ("version_policy.list.0: ..."), not both in pydantic's internal spelling.

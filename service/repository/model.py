@@ -134,6 +134,22 @@ def model_versions(model_dir: Path) -> list[int]:
                   if p.is_dir() and version_number(p.name) is not None and (p / "model.safetensors").exists())
 
 
+def unserved_folders(model_dir: Path) -> list[str]:
+    """Names of the folders under ``model_dir`` that hold no servable version, each with why (for errors that
+    say why a model has no version: '01' and 'v2' look like versions to the person who made them)."""
+    if not model_dir.is_dir():
+        return []
+    found = []
+    for p in sorted(model_dir.iterdir(), key=lambda p: p.name):
+        if not p.is_dir():
+            continue
+        if version_number(p.name) is None:
+            found.append(f"'{p.name}' (not a version number: 1, 2, ... without leading zeros)")
+        elif not (p / "model.safetensors").exists():
+            found.append(f"'{p.name}' (no model.safetensors)")
+    return found
+
+
 def version_number(name: str) -> int | None:
     """The version a folder ``name`` holds: a whole number from 1 in ASCII digits without leading zeros, else None
     (``str.isdigit`` also takes '²' and other scripts' digits, which ``int`` refuses; '007' would be read as 7

@@ -275,6 +275,9 @@ def test_select_errors_list_candidates(tmp_path):
     with pytest.raises(ConversionError, match=r"'decoder.rnn.weight_ih_l0' names a tensor, not a module; pass the "
                                               r"module prefix 'decoder.rnn'"):
         service.convert(path, select="decoder.rnn.weight_ih_l0")
+    # a module named twice was stacked on itself (silently when its input and hidden sizes agree)
+    with pytest.raises(ConversionError, match=r"--select names 'decoder.rnn' more than once; name each"):
+        service.convert(path, select="decoder.rnn, decoder.rnn.")
 
 
 @pytest.mark.parametrize("cell,given,match", [
@@ -294,6 +297,8 @@ def test_relu_rnn_state_dict_assumes_tanh_with_a_note(tmp_path):
     model = service.convert(save_pt(tmp_path, make("rnn_relu").state_dict()), verify=False)
     assert model.spec.blocks[0].cell == "rnn_tanh"
     assert "pass --cell rnn_relu" in model.provenance["notes"][0]
+    # the check cannot tell relu from tanh here (it rebuilds the module with the assumed one): the note says so
+    assert "cannot catch a wrong one" in model.provenance["notes"][0]
 
 
 def _sd(**changes):

@@ -63,7 +63,7 @@ async def test_the_event_loop_keeps_serving_while_a_large_json_body_decodes(repo
     """The loop's longest pause during a large JSON request stays well under the time the decode alone takes
     on a thread (which it was before: a thread's decode held the GIL, and so the loop, throughout). The
     predict answer (every step's output, as JSON) is large too."""
-    x = np.random.default_rng(3).standard_normal((16, 12000, 4)).astype(np.float32)
+    x = np.random.default_rng(3).standard_normal((16, 24000, 4)).astype(np.float32)  # ~30 MB of JSON
     if path.endswith(":predict"):
         body = json.dumps({"instances": x.tolist()}).encode()
     else:
@@ -92,7 +92,7 @@ async def test_the_event_loop_keeps_serving_while_a_large_json_body_decodes(repo
         done.set()
         await ticker
     assert r.status_code == 200, r.text
-    assert held[0] > 0.2, held  # a decode long enough to tell the two apart
+    assert held[0] > 0.1, held  # a decode long enough to tell the two apart (0.14-0.5 s on the 2-core VMs)
     assert max(gaps) < held[0] / 2, (max(gaps), held[0])
 
 

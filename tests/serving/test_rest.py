@@ -451,6 +451,7 @@ async def test_broken_models_do_not_stop_others(repo):
         # versions count from 1 (convert and version_policy say so; Triton skips a folder 0)
         make_model(*LSTM, seed=3).save(repo, "oddversions", 1)
         (repo / "oddversions" / "1").rename(repo / "oddversions" / odd)
+    (repo / "oddversions" / "2").mkdir()  # a version folder whose file was never copied in
     async with rest_client(repo) as (client, dataplane):
         assert await dataplane.ready()
         rows = {r["name"]: r for r in (await client.post("/v2/repository/index")).json()}
@@ -458,6 +459,10 @@ async def test_broken_models_do_not_stop_others(repo):
         assert rows["_under"]["state"] == "UNAVAILABLE" and "'_under' is not a model name" in rows["_under"]["reason"]
         assert rows["nopolicy"]["state"] == "UNAVAILABLE" and "version_policy" in rows["nopolicy"]["reason"]
         assert rows["oddversions"]["state"] == "UNAVAILABLE" and "has no version folder" in rows["oddversions"]["reason"]
+        # the folders that look like versions to whoever made them are named, each with why it is not one
+        assert ("'0' (not a version number" in rows["oddversions"]["reason"]
+                and "'007' (not a version number" in rows["oddversions"]["reason"]
+                and "'2' (no model.safetensors)" in rows["oddversions"]["reason"])
         r = await client.post("/v2/repository/models/cfgdir/load")
         assert r.status_code == 400 and "config.json is a folder, not a regular file" in r.json()["error"]
         assert rows["lstm"]["state"] == "READY"

@@ -28,6 +28,17 @@ def test_bad_values_name_the_flag(monkeypatch):
         ServeSettings.from_args(["--device", "tpu"])
 
 
+@pytest.mark.parametrize("flag", ["--drain-timeout-s", "--body-timeout-s", "--stream-idle-timeout-s"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_seconds_must_be_finite(monkeypatch, flag, value):
+    """NaN was told "greater than 0" (it is not a comparison problem) and inf passed ge=0 unchecked."""
+    with pytest.raises(InvalidInput, match=f"{flag}: {value} is not a finite number"):
+        ServeSettings.from_args([f"{flag}={value}"])
+    monkeypatch.setenv("RNNSERVE_" + flag[2:].replace("-", "_").upper(), value)
+    with pytest.raises(InvalidInput, match="is not a finite number"):
+        ServeSettings.from_args([])
+
+
 def test_every_field_is_a_flag():
     usage = build_serve_parser().format_help()
     for name in ServeSettings.model_fields:
