@@ -12,6 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import service  # noqa: E402
+from service.engines.reference import ReferenceEngine  # noqa: E402
+from service.loaders.verify import probe_input  # noqa: E402
 
 
 def rnnserve(*args, cwd=None) -> subprocess.CompletedProcess:
@@ -226,12 +228,21 @@ def test_reduced_precision_is_refused_past_its_range_and_its_cost_is_reported(tm
     net = torch.nn.LSTM(4, 8)
     path = tmp_path / "lstm.pt"
     torch.save(net.state_dict(), path)
-    res = rnnserve("convert", path, "--name", "half", "--repository", tmp_path / "repo", "--dtype", "float16")
-    assert res.returncode == 0, res.stderr
-    line = next(s for s in res.stdout.splitlines() if s.startswith("stored as float16"))
-    stored = service.load_model(tmp_path / "repo" / "half").provenance["verification"]["stored"]
-    assert stored["dtype"] == "float16" and 1e-6 < stored["max_abs_diff_from_float32"] < 1e-2
-    assert f"{stored['max_abs_diff_from_float32']:.3g}" in line
+    res = rnnserve("convert", path, "--name", "full", "--repository", tmp_path / "repo")
+    full = service.load_model(tmp_path / "repo" / "full")
+    x, lengths = probe_input(full.spec.input_size)
+    want = ReferenceEngine(full, dtype=np.float64).forward(x.astype(np.float64), lengths).output
+    for dtype in ("float16", "bfloat16"):
+        res = rnnserve("convert", path, "--name", dtype, "--repository", tmp_path / "repo", "--dtype", dtype)
+        assert res.returncode == 0, res.stderr
+        line = next(s for s in res.stdout.splitlines() if s.startswith(f"stored as {dtype}"))
+        model = service.load_model(tmp_path / "repo" / dtype)
+        stored = model.provenance["verification"]["stored"]
+        assert stored["dtype"] == dtype and 1e-6 < stored["max_abs_diff_from_float32"] < 1e-1
+        assert f"{stored['max_abs_diff_from_float32']:.3g}" in line
+        # what is reported is what the stored file serves (bfloat16 was reported as 0: compared unrounded)
+        got = ReferenceEngine(model, dtype=np.float64).forward(x.astype(np.float64), lengths).output
+        assert float(np.max(np.abs(got - want))) == pytest.approx(stored["max_abs_diff_from_float32"], rel=1e-6)
     with torch.no_grad():
         net.weight_ih_l0[0, 0] = 1e6  # float16 tops out at 65504: stored as inf, every output NaN
     torch.save(net.state_dict(), path)

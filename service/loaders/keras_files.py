@@ -331,6 +331,11 @@ def config_layers(config: dict[str, Any], fname: str) -> list[KerasLayer]:
             back = cfg.get("backward_layer") or None
             configs = [dict(inner.get("config", {}))]
             if back:
+                inner_cls, back_cls = inner.get("class_name", "?"), back.get("class_name", inner.get("class_name"))
+                if back_cls != inner_cls:
+                    raise ConversionError(
+                        f"layer '{name}' (Bidirectional) has a {inner_cls} forward and a {back_cls} backward layer; "
+                        f"rnnserve serves both directions of one cell type: make backward_layer a {inner_cls} too")
                 configs.append(dict(back.get("config", {})))
             else:
                 configs.append({**configs[0], "go_backwards": not configs[0].get("go_backwards", False)})

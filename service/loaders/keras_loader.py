@@ -76,17 +76,23 @@ def load_keras(path: Path, select: str | None = None, cell: str | None = None, *
                         details=details)
 
 
+MASK_OPS = frozenset({"NotEqual", "Any"})
+
+
 def _note_what_is_not_served(kfile: KerasFile, chosen: list[KerasLayer], notes: list[str]) -> None:
     """Say where the served model differs from the file's whole model: layers around the recurrent stack, masking,
     and a backwards last layer's output order. The check against Keras runs the stack alone, so it cannot tell."""
     names = {layer.name for layer in chosen}
+    masked = any(layer.class_name == "Masking" for layer in kfile.layers)
+    # a functional model with Masking stores the mask's computation as op layers (NotEqual, Any): not the user's
+    plumbing = MASK_OPS if masked else frozenset()
     others = [f"{layer.class_name} '{layer.name}'" for layer in kfile.layers
-              if layer.name not in names and layer.class_name not in TRANSPARENT]
+              if layer.name not in names and layer.class_name not in TRANSPARENT | plumbing]
     if others:
         notes.append(f"only the recurrent stack {' -> '.join(layer.name for layer in chosen)} is converted; the model "
                      f"also has {', '.join(others)}, which rnnserve does not serve: send what the first recurrent "
                      f"layer reads as 'input', and apply the other layers yourself")
-    if any(layer.class_name == "Masking" for layer in kfile.layers):
+    if masked:
         notes.append("Masking is served as per-sequence lengths: send each sequence's length ('lengths', or ragged "
                      "instances to /v1 predict) rather than masked padding; a masked step inside a sequence is not "
                      "skipped as Keras skips it")

@@ -51,8 +51,12 @@ def _blocks(mat: np.ndarray, order: tuple[int, ...], u: int) -> np.ndarray:
     return np.concatenate([mat[k * u:(k + 1) * u] for k in order], axis=0)
 
 
-def canonical_weights(cls: str, w: dict[str, np.ndarray], where: str) -> tuple[LayerWeights, int, int, bool]:
-    """(weights in canonical order, input size, units, reset_after) for one direction."""
+def canonical_weights(cls: str, w: dict[str, np.ndarray], where: str,
+                      reset_after: bool | None = None) -> tuple[LayerWeights, int, int, bool]:
+    """(weights in canonical order, input size, units, reset_after) for one direction.
+
+    A GRU's bias shape tells its form (``reset_after``); a GRU without bias (``use_bias=False``) is told by
+    ``reset_after``, its config's value, since the two forms compute differently with zero biases too."""
     gates = _GATES[cls]
     kernel, rec = w.get("kernel"), w.get("recurrent_kernel")
     if kernel is None or rec is None:
@@ -64,8 +68,15 @@ def canonical_weights(cls: str, w: dict[str, np.ndarray], where: str) -> tuple[L
     u, n_in = rec.shape[0], kernel.shape[0]
     wt, rt = kernel.T, rec.T
     bias = w.get("bias")
-    bias = np.zeros(gates * u) if bias is None else np.asarray(bias, np.float64)
     zeros = np.zeros(gates * u)
+    if bias is None and cls == "GRU":
+        if reset_after is None:
+            raise ConversionError(f"{where} has no bias, and the file's config does not say reset_after, which "
+                                  f"decides what the layer computes; convert the whole saved model (.keras), "
+                                  f"whose config says it")
+        wt, rt = _blocks(wt, _GRU_TO_CANON, u), _blocks(rt, _GRU_TO_CANON, u)
+        return LayerWeights(wt, rt, zeros, zeros), n_in, u, bool(reset_after)
+    bias = zeros if bias is None else np.asarray(bias, np.float64)
     reset_after = False
     if cls in ("LSTM", "SimpleRNN"):
         if bias.shape != (gates * u,):
@@ -116,8 +127,8 @@ def to_recurrent_layer(layer: KerasLayer, keras3: bool, recurrent_default: str, 
     dirs, acts, sizes, resets = [], [], set(), set()
     for d, w in enumerate(layer.weights):
         cls = layer.class_name
-        lw, n_in, u, reset_after = canonical_weights(cls, w, where)
         cfg = cfgs[d] or {}
+        lw, n_in, u, reset_after = canonical_weights(cls, w, where, cfg.get("reset_after"))
         if "reset_after" in cfg and cls == "GRU" and bool(cfg["reset_after"]) != reset_after:
             raise ConversionError(f"{where}: config says reset_after={cfg['reset_after']} but the bias shape "
                                   f"{np.shape(w.get('bias'))} says otherwise; the file is inconsistent")

@@ -225,6 +225,12 @@ def order_chain(index: GraphIndex, nodes: list[NodeProto], edges: list[Edge]) ->
     listing = "; ".join(" -> ".join(index.name(n) for n in c) for c in chains)
     reason = "one recurrent output feeds several recurrent nodes" if branching else \
         f"they form {len(chains)} separate chains ({listing})"
+    if not branching:
+        # what keeps a chain apart: the op its first node reads from (a Relu, an Add, a Slice of one direction)
+        reads = [f"'{index.name(c[0])}' reads its input from {op}" for c in chains
+                 if c[0].input and (op := index.first_other_op(c[0].input[0])) is not None]
+        if reads:
+            reason += f"; {', '.join(reads)}, which is no layer rnnserve serves"
     raise ConversionError(
         f"the recurrent nodes {', '.join(index.name(n) for n in nodes)} are not one stack: {reason}. "
         f"Pick one chain with --select name1,name2,... (in data-flow order or any order)"

@@ -254,6 +254,18 @@ class GraphIndex:
             name = node.input[0]
         return None
 
+    def first_other_op(self, name: str) -> str | None:
+        """The op that ``name`` comes from past shape-only ops, as "Relu 'relu_1'", or None when it is a graph
+        input, an initializer or a recurrent node's Y (what :meth:`trace_input` follows)."""
+        while name in self.producer:
+            node, k = self.producer[name]
+            if node.op_type in RECURRENT_OPS and node.domain in ("", "ai.onnx"):
+                return None if k == 0 else f"output {k} of {node.op_type} '{self.name(node)}'"
+            if node.op_type not in SHAPE_OPS or not node.input:
+                return f"{node.op_type} '{self.name(node)}'"
+            name = node.input[0]
+        return None
+
     def attr(self, node: NodeProto, name: str, default: Any = None) -> Any:
         for a in node.attribute:
             if a.name == name:

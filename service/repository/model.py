@@ -111,7 +111,7 @@ class PackedModel:
 
 
 def stored_weights(name: str, weights: np.ndarray, dtype: str) -> np.ndarray:
-    """``weights`` (float32) as they are stored in ``dtype`` (bfloat16: float32, rounded when written); refused with
+    """``weights`` (float32) as they are stored in ``dtype`` (bfloat16: float32 holding the rounded values); refused with
     InvalidInput when a value does not fit (float16 tops out at 65504: a larger weight would be stored as inf)."""
     if dtype == "float16":
         stored = weights.astype(np.float16)
@@ -123,7 +123,7 @@ def stored_weights(name: str, weights: np.ndarray, dtype: str) -> np.ndarray:
         biggest = float(np.max(np.abs(weights)))
         raise InvalidInput(f"tensor '{name}' has a weight of magnitude {biggest:.4g}, past {dtype}'s range; "
                            f"store this model as float32 (--dtype float32)")
-    return stored if dtype == "float16" else weights
+    return stored  # bfloat16: float32 holding the rounded values, which the writer stores exactly
 
 
 def model_versions(model_dir: Path) -> list[int]:

@@ -97,6 +97,25 @@ def test_matches_keras(built, tmp_path, name, fmt):
         assert not got[i, n:].any()
 
 
+@pytest.mark.parametrize("reset_after", [True, False])
+@pytest.mark.parametrize("wrap", [False, True])
+def test_gru_without_bias(tmp_path, reset_after, wrap):
+    """use_bias=False leaves no bias shape to tell the GRU's form; its config does (it was refused as an
+    inconsistent file). Both forms compute differently with zero biases, so the config is what decides."""
+    layer = L.GRU(5, use_bias=False, reset_after=reset_after, return_sequences=True)
+    model = keras.Sequential([keras.Input((None, I)), L.Masking(), L.Bidirectional(layer) if wrap else layer])
+    randomize(model)
+    for fmt in ("keras", "h5"):
+        packed = convert(save(model, tmp_path, fmt))
+        assert packed.spec.blocks[0].variant == ({} if reset_after else {"reset_before": True})
+        x = batch()
+        expected, got = kout(model, x), ours(packed, x, RAGGED)
+        for i, n in enumerate(RAGGED):
+            close(got[i, :n], expected[i, :n])
+    with pytest.raises(ConversionError, match="has no bias, and the file's config does not say reset_after"):
+        convert(save(model, tmp_path, "weights"))
+
+
 def test_spec_variants(built, tmp_path):
     spec = convert(save(built["gru_reset_before"], tmp_path, "keras"), verify=False).spec
     assert spec.blocks[0].variant == {"reset_before": True}
@@ -168,6 +187,12 @@ def test_notes_name_what_the_served_stack_leaves_out(tmp_path):
     plain = keras.Sequential([keras.Input((None, I)), L.LSTM(6, return_sequences=True)])
     randomize(plain)
     assert convert(save(plain, tmp_path, "keras", "plain")).provenance["notes"] == []
+    # a functional model stores Masking's mask as op layers (NotEqual, Any), which are no layers of the user's
+    inp = keras.Input((None, I))
+    functional = keras.Model(inp, L.LSTM(6, return_sequences=True)(L.Masking()(inp)))
+    randomize(functional)
+    notes = convert(save(functional, tmp_path, "keras", "functional")).provenance["notes"]
+    assert len(notes) == 1 and notes[0].startswith("Masking is served as per-sequence lengths"), notes
 
 
 def test_last_layer_without_sequences(tmp_path):
@@ -224,6 +249,12 @@ def test_refusals_from_model_config(tmp_path):
         convert(save(m, tmp_path, "keras", "generic2"), select="generic")
     with pytest.raises(ConversionError, match=r"--cell gru does not match layer 'plain' \(LSTM\)"):
         convert(save(m, tmp_path, "keras", "generic2"), select="plain", cell="gru")
+    # was "kernel (7, 15) and recurrent_kernel (5, 15) do not fit a LSTM": the backward layer's type was not named
+    m = keras.Sequential([keras.Input((None, I)), L.Bidirectional(
+        L.LSTM(5, return_sequences=True), backward_layer=L.GRU(5, go_backwards=True, return_sequences=True))])
+    with pytest.raises(ConversionError, match="has a LSTM forward and a GRU backward layer; .* make backward_layer a "
+                                              "LSTM too"):
+        convert(save(m, tmp_path, "keras", "mixed"))
 
 
 def test_bad_files(tmp_path, built):

@@ -353,6 +353,17 @@ def test_selection_errors(tmp_path):
     path = _save(tmp_path, nodes, a + b, [_f("X", ["T", "N", 4])], [_f("y1"), _f("y2")])
     with pytest.raises(ConversionError, match=r"separate chains \(LSTM_0; side\).*--select"):
         load_onnx(path)
+    # an op between two layers keeps them apart: the message names it (it named only the chains)
+    between = [helper.make_node("LSTM", ["X", "aW", "aR", "aB"], ["y1"], hidden_size=3),
+               helper.make_node("Squeeze", ["y1", "ax"], ["s1"]), helper.make_node("Relu", ["s1"], ["r1"], name="act"),
+               helper.make_node("GRU", ["r1", "bW", "bR", "bB"], ["y2"], hidden_size=3, name="next")]
+    b3 = _weights("b", "GRU", 3, 3, seed=1)
+    axis = [numpy_helper.from_array(np.array([1], np.int64), "ax")]
+    (tmp_path / "apart").mkdir()
+    apart = _save(tmp_path / "apart", between, a + b3 + axis, [_f("X", ["T", "N", 4])], [_f("y2")])
+    with pytest.raises(ConversionError, match=r"separate chains \(LSTM_0; next\); 'next' reads its input from "
+                                              r"Relu 'act', which is no layer rnnserve serves\."):
+        load_onnx(apart)
     listing = r"names no node; recurrent nodes: LSTM_0 \(LSTM\), side \(GRU\).*<op>_<k>"
     with pytest.raises(ConversionError, match=listing):
         load_onnx(path, select=" , ")
