@@ -21,6 +21,9 @@ from .errors import InvalidInput
 from .finite import FiniteFloat
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+MAX_SECONDS = 31 * 24 * 3600.0  # a month: longer is a typo (1e300 was taken, and logged in 300 digits)
+# RNNSERVE_* variables that are not serve settings: engine and build knobs read where they apply
+OTHER_VARIABLES = frozenset({"RNNSERVE_CUDNN_LIBRARY", "RNNSERVE_NATIVE_CPU", "RNNSERVE_VARIANTS"})
 
 
 class ServeSettings(BaseSettings):
@@ -29,7 +32,7 @@ class ServeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RNNSERVE_", extra="forbid")
 
     repository: Path = Field(Path("models"), description="Model repository: DIR/<name>/<version>/model.safetensors.")
-    host: str = Field("0.0.0.0", description="Address the HTTP and gRPC servers listen on.")
+    host: str = Field("0.0.0.0", min_length=1, description="Address the HTTP and gRPC servers listen on.")
     http_port: int = Field(8000, ge=0, le=65535, description="HTTP (REST) port; 0 picks a free port.")
     grpc_port: int = Field(8001, ge=-1, le=65535, description="gRPC port; 0 picks a free port, -1 turns gRPC off.")
     device: Literal["auto", "cpu", "cuda"] = Field(
@@ -41,18 +44,20 @@ class ServeSettings(BaseSettings):
         description="Default time the oldest waiting request may wait for a fuller batch (µs); 0 (Triton's default) "
                     "starts a batch as soon as the engine is free, and requests arriving meanwhile form the next one.",
     )
-    max_queue_size: int = Field(1024, ge=1, description="Default requests waiting per model; more get 503 at once.")
-    max_sequence_length: int = Field(100_000, ge=1, description="Default longest T accepted per request.")
+    max_queue_size: int = Field(1024, ge=1, le=10_000_000,
+                                description="Default requests waiting per model; more get 503 at once.")
+    max_sequence_length: int = Field(100_000, ge=1, le=1_000_000_000,
+                                     description="Default longest T accepted per request.")
     max_batch_memory_mb: int = Field(
         0, ge=0, description="Default working memory one engine call of a model may use, in MiB; a request needing "
                              "more alone gets 413 / RESOURCE_EXHAUSTED. 0: a quarter of the machine's memory (GPU: "
                              "of the smaller of host and GPU memory).",
     )
     max_streams: int = Field(
-        1024, ge=1, description="Default live stateful streams (sequence_id) per model; one more gets UNAVAILABLE (503)."
+        1024, ge=1, le=10_000_000, description="Default live stateful streams (sequence_id) per model; one more gets UNAVAILABLE (503)."
     )
     stream_idle_timeout_s: FiniteFloat = Field(
-        60.0, gt=0, description="Default seconds a stateful stream may go without a chunk before its state is dropped."
+        60.0, gt=0, le=MAX_SECONDS, description="Default seconds a stateful stream may go without a chunk before its state is dropped."
     )
     frontend_in_flight: int = Field(
         2, ge=1, le=64,
@@ -66,7 +71,7 @@ class ServeSettings(BaseSettings):
                     "messages, and HTTP answers sent as JSON (~20 bytes a number; binary outputs are not held to it).",
     )
     body_timeout_s: FiniteFloat = Field(
-        60.0, ge=0,
+        60.0, ge=0, le=MAX_SECONDS,
         description="Longest pause, in seconds, between the parts of an HTTP request body. A client that sends its "
                     "headers or part of a body and then stops gets 408 and the connection closes, instead of holding "
                     "it and its buffered bytes for good. 0: no limit.",
@@ -110,7 +115,7 @@ class ServeSettings(BaseSettings):
                     "default made a 1.4 ms batch take 126 ms on an H200 (bench/batch_path.py). Front-end processes: "
                     "gRPC's poller thread needs the GIL for every call it completes.",
     )
-    drain_timeout_s: FiniteFloat = Field(30.0, ge=0, description="On SIGTERM/SIGINT, how long in-flight requests may finish.")
+    drain_timeout_s: FiniteFloat = Field(30.0, ge=0, le=MAX_SECONDS, description="On SIGTERM/SIGINT, how long in-flight requests may finish.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
 
     @classmethod
@@ -119,13 +124,34 @@ class ServeSettings(BaseSettings):
         parser = build_serve_parser()
         args = parser.parse_args(argv)
         overrides = {k: v for k, v in vars(args).items() if v is not None}
+        _refuse_unknown_variables()
         try:
-            return cls(**overrides)
+            settings = cls(**overrides)
         except ValidationError as exc:
             problems = "; ".join(
                 f"--{'.'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" for e in exc.errors()
             )
             raise InvalidInput(f"bad serve settings: {problems}") from exc
+        if settings.http_port == settings.grpc_port and settings.http_port != 0:
+            # one process would bind gRPC there first and HTTP would never answer
+            raise InvalidInput(f"bad serve settings: --http-port and --grpc-port are both {settings.http_port}; "
+                               f"give them different ports (0 picks a free one, --grpc-port -1 turns gRPC off)")
+        return settings
+
+
+def _refuse_unknown_variables() -> None:
+    """A misspelt RNNSERVE_* variable was ignored, serving with the default it meant to change; refused like an
+    unknown flag, naming the nearest setting."""
+    import difflib
+    import os
+
+    known = {f"RNNSERVE_{name.upper()}" for name in ServeSettings.model_fields} | OTHER_VARIABLES
+    for var in sorted(os.environ):
+        if var.startswith("RNNSERVE_") and var not in known:
+            near = difflib.get_close_matches(var, sorted(known), n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            raise InvalidInput(f"bad serve settings: {var} is not a setting of rnnserve serve{hint}; unset it "
+                               f"or correct its name (`rnnserve serve --help` lists each variable)")
 
 
 def build_serve_parser() -> argparse.ArgumentParser:

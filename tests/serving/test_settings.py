@@ -39,6 +39,38 @@ def test_seconds_must_be_finite(monkeypatch, flag, value):
         ServeSettings.from_args([])
 
 
+def test_ports_host_and_limits_that_cannot_serve_are_refused(monkeypatch):
+    """One process with equal ports bound gRPC and never answered HTTP; an empty host reached grpc's own error;
+    limits config.json refuses were taken from flags; a month bounds the seconds."""
+    with pytest.raises(InvalidInput, match="--http-port and --grpc-port are both 9100; give them different ports"):
+        ServeSettings.from_args(["--http-port", "9100", "--grpc-port", "9100"])
+    monkeypatch.setenv("RNNSERVE_HTTP_PORT", "9101")
+    with pytest.raises(InvalidInput, match="are both 9101"):
+        ServeSettings.from_args(["--grpc-port", "9101"])
+    assert ServeSettings.from_args(["--http-port", "0", "--grpc-port", "0"]).grpc_port == 0  # two free ports
+    monkeypatch.delenv("RNNSERVE_HTTP_PORT")
+    for flag, value, problem in [("--host", "", "--host: String should have at least 1 character"),
+                                 ("--max-queue-size", "100000000", "--max-queue-size: Input should be less than or "
+                                                                   "equal to 10000000"),
+                                 ("--max-sequence-length", "10000000000", "--max-sequence-length: Input should be "
+                                                                          "less than or equal to 1000000000"),
+                                 ("--max-streams", "100000000", "--max-streams: Input should be less than or equal"),
+                                 ("--drain-timeout-s", "1e300", "--drain-timeout-s: Input should be less than or "
+                                                                "equal to 2678400")]:
+        with pytest.raises(InvalidInput, match=problem):
+            ServeSettings.from_args([f"{flag}={value}"])
+
+
+def test_a_misspelt_variable_is_refused_with_the_nearest_name(monkeypatch):
+    monkeypatch.setenv("RNNSERVE_MAX_BATCH_SIZ", "8")
+    with pytest.raises(InvalidInput, match="RNNSERVE_MAX_BATCH_SIZ is not a setting of rnnserve serve \\(did you "
+                                           "mean RNNSERVE_MAX_BATCH_SIZE\\?\\)"):
+        ServeSettings.from_args([])
+    monkeypatch.delenv("RNNSERVE_MAX_BATCH_SIZ")
+    monkeypatch.setenv("RNNSERVE_NATIVE_CPU", "0")  # an engine knob, read where it applies
+    assert ServeSettings.from_args([]).max_batch_size == 64
+
+
 def test_every_field_is_a_flag():
     usage = build_serve_parser().format_help()
     for name in ServeSettings.model_fields:
