@@ -71,8 +71,10 @@ class _Coalescing(ABC):
     each of its requests, as it would have each alone.
     """
 
-    def __init__(self, limit: int = MAX_IN_FLIGHT, max_waiting: int | None = None) -> None:
+    def __init__(self, limit: int = MAX_IN_FLIGHT, max_waiting: int | None = None,
+                 dropped: Callable[[int], None] | None = None) -> None:
         self._waiting: list[_Entry] = []
+        self._dropped = dropped  # told how many requests were cancelled while they waited here (never sent)
         self._in_flight = 0
         self._limit = max(1, int(limit))  # messages out at once
         self._max_waiting = max_waiting  # the model's max_queue_size: requests waiting here at most
@@ -99,7 +101,10 @@ class _Coalescing(ABC):
     def _flush(self) -> None:
         self._scheduled = False
         while self._waiting and self._in_flight < self._limit:
-            group = self._take()
+            taken = self._take()
+            group = [e for e in taken if not e.future.done()]  # a request cancelled while it waited is not sent
+            if len(group) < len(taken) and self._dropped is not None:
+                self._dropped(len(taken) - len(group))
             if not group:
                 continue
             self._in_flight += 1
@@ -134,7 +139,7 @@ class _Coalescing(ABC):
 
     @abstractmethod
     def _take(self) -> list[_Entry]:
-        """Remove and return the next message's requests (the cancelled ones left out)."""
+        """Remove and return the next message's requests (cancelled ones too: :meth:`_flush` leaves them out)."""
 
     @abstractmethod
     def _send_group(self, group: list[_Entry]) -> tuple[asyncio.Future, Any]:
@@ -171,8 +176,9 @@ class Lane(_Coalescing):
     included) fails each of its requests with it.
     """
 
-    def __init__(self, view: ModelView, send: Callable[[Prepared], asyncio.Future]) -> None:
-        super().__init__(view.frontend_in_flight, view.max_queue_size)
+    def __init__(self, view: ModelView, send: Callable[[Prepared], asyncio.Future],
+                 dropped: Callable[[int], None] | None = None) -> None:
+        super().__init__(view.frontend_in_flight, view.max_queue_size, dropped)
         self.view = view
         self._send = send
 
@@ -190,7 +196,7 @@ class Lane(_Coalescing):
             longest = max(longest, work.steps)
             n += 1
         group, self._waiting = self._waiting[:n], self._waiting[n:]
-        return [e for e in group if not e.future.done()]  # a cancelled request is not sent
+        return group
 
     def _send_group(self, group: list[_Entry]) -> tuple[asyncio.Future, Any]:
         if len(group) == 1:
@@ -229,15 +235,16 @@ class ChunkLane(_Coalescing):
 
     def __init__(self, send_one: Callable[[Prepared], asyncio.Future],
                  send_many: Callable[[list[Prepared]], asyncio.Future],
-                 cancel_item: Callable[[asyncio.Future, int], None], max_waiting: int | None = None) -> None:
-        super().__init__(max_waiting=max_waiting)
+                 cancel_item: Callable[[asyncio.Future, int], None], max_waiting: int | None = None,
+                 dropped: Callable[[int], None] | None = None) -> None:
+        super().__init__(max_waiting=max_waiting, dropped=dropped)
         self._send_one = send_one
         self._send_many = send_many
         self._cancel_item = cancel_item
 
     def _take(self) -> list[_Entry]:
         group, self._waiting = self._waiting[:MAX_CHUNKS], self._waiting[MAX_CHUNKS:]
-        return [e for e in group if not e.future.done()]  # a cancelled chunk is not sent
+        return group
 
     def _send_group(self, group: list[_Entry]) -> tuple[asyncio.Future, Any]:
         if len(group) == 1:

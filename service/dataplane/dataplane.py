@@ -178,7 +178,8 @@ class DataPlane:
         return fut
 
     def _finished(self, model: str, version: str, start: float, requests: int, fut: asyncio.Future) -> None:
-        if fut.cancelled():  # the client went away; nothing was answered
+        if fut.cancelled():  # the client went away (a gRPC cancel or deadline, a stream chunk's HTTP client)
+            self._count(model, version, "cancelled", requests)
             return
         exc = fut.exception()
         elapsed = time.perf_counter() - start
@@ -193,6 +194,11 @@ class DataPlane:
             log.error("request to model %s failed", model, exc_info=exc)
             self._count(model, version, "internal", requests)
         self._bound("failed", model, version).inc(elapsed * requests)
+
+    def count_outcome(self, model: str, version: str, outcome: str, requests: int) -> None:
+        """Count ``requests`` of a served ``model``/``version`` that a front-end process settled itself: refused
+        because its own queue was full (``unavailable``), or cancelled before it sent them (``cancelled``)."""
+        self._count(model, version, outcome, requests)
 
     def _count_refused(self, name: str, served: ServedVersion | None, exc: RNNServeError, requests: int = 1) -> None:
         """Count ``requests`` refused before they were queued (unknown names under model "")."""

@@ -24,7 +24,9 @@ Wire format on a Unix socket: 8-byte little-endian length + pickle (protocol 5) 
 exception (rnnserve errors keep their status). A front-end whose client went away sends
 ``(None, "cancel", (id, index))`` for a request's call (``index``: one work of a ``submit_many``),
 with no reply: the engine process cancels that work as one process would, and the call is
-still answered. Pickle is safe here: both ends are
+still answered. ``(None, "count", (model, version, outcome, n))`` (no reply) counts requests the
+front-end settled itself (its queue full, or cancelled before they were sent), so that
+``rnnserve_requests_total`` adds up to the requests received, as in one process. Pickle is safe here: both ends are
 processes of this server, on a socket in a private temporary folder. A front-end's
 large request arrays travel in its shared-memory arena instead (:mod:`.arena`): the frame
 carries their place, and the place is freed when the reply comes.
@@ -45,7 +47,7 @@ from ..wire import placing, wire
 from . import arena as arenas
 from .coalesce import SLOW_NOTE_S, ChunkLane, Lane
 from .types import InferRequest, InferResponse
-from .view import ModelView, prepare, respond
+from .view import ModelView, Prepared, prepare, respond
 
 log = logging.getLogger("rnnserve.dataplane.remote")
 _LENGTH = struct.Struct("<Q")
@@ -193,6 +195,9 @@ class DataPlaneServer:
                 return
             if method == "cancel":
                 self._cancel(conn, *args)
+                return
+            if method == "count":
+                self.dataplane.count_outcome(*args)
                 return
             if method == "attach_arena":
                 try:
@@ -477,9 +482,9 @@ class RemoteDataPlane:
             return await self._call("infer", request)
         try:
             if prepared.stream is None and prepared.deadline is None and view.max_batch_size > 1:
-                results = await self._lane(key, view).submit(prepared)
+                results = await self._queued(self._lane(key, view), view, prepared)
             elif prepared.stream is not None:
-                results = await self._chunk_lane(key, view).submit(prepared)
+                results = await self._queued(self._chunk_lane(key, view), view, prepared)
             else:
                 results = await self._call("submit", *key, view.generation, prepared)
         except StaleModelView:  # reloaded since the view was fetched: the engine process validates it again
@@ -489,6 +494,20 @@ class RemoteDataPlane:
             self._forget(key, view)
             raise
         return respond(request, view, results)
+
+    def _queued(self, lane: Lane | ChunkLane, view: ModelView, prepared: Prepared) -> asyncio.Future:
+        """``lane.submit(prepared)``; a refusal there (this front-end's queue is full) is counted in the engine
+        process, which never sees the request."""
+        try:
+            return lane.submit(prepared)
+        except RNNServeError as exc:
+            self._tell_count(view, exc.status.lower(), prepared.requests)
+            raise
+
+    def _tell_count(self, view: ModelView, outcome: str, requests: int) -> None:
+        """Have the engine process count ``requests`` this front-end settled itself (no reply)."""
+        if self._conn is not None and not self._conn.closed:
+            self._conn.send((None, "count", (view.name, view.label, outcome, requests)))
 
     async def _view(self, key: tuple[str, str]) -> ModelView:
         """Fetch a model's view from the engine process: once, however many requests wait for it."""
@@ -508,7 +527,8 @@ class RemoteDataPlane:
         lane = self._lanes.get(key + (view.generation,))
         if lane is None:
             lane = self._lanes[key + (view.generation,)] = Lane(
-                view, partial(self._send, "submit", *key, view.generation))
+                view, partial(self._send, "submit", *key, view.generation),
+                dropped=partial(self._tell_count, view, "cancelled"))
         return lane
 
     def _chunk_lane(self, key: tuple[str, str], view: ModelView) -> ChunkLane:
@@ -516,7 +536,8 @@ class RemoteDataPlane:
         if lane is None:
             lane = self._chunk_lanes[key + (view.generation,)] = ChunkLane(
                 partial(self._send, "submit", *key, view.generation),
-                partial(self._send, "submit_many", *key, view.generation), self._cancel_item, view.max_queue_size)
+                partial(self._send, "submit_many", *key, view.generation), self._cancel_item, view.max_queue_size,
+                dropped=partial(self._tell_count, view, "cancelled"))
         return lane
 
     def _forget(self, key: tuple[str, str], view: ModelView) -> None:

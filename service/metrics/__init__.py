@@ -52,7 +52,8 @@ class ServerMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "rnnserve_requests", "Inference requests by outcome (success or the error status, lower case).",
+            "rnnserve_requests",
+            "Inference requests by outcome (success, cancelled: the client went away, or the error status, lower case).",
             MV + ("outcome",), registry=r)
         self.request_duration = Histogram(
             "rnnserve_request_duration_seconds", "Time from request decoded to response ready (successful requests).",

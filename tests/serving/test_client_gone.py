@@ -19,6 +19,7 @@ import grpc
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.transports.grpc.generated import inference_pb2 as pb
 from service.transports.grpc.generated import inference_pb2_grpc as pb_grpc
@@ -61,6 +62,20 @@ def _busy(stub) -> grpc.Future:
     return stub.ModelInfer.future(_request(np.full((8, 30000, 4), 0.1, np.float32)), timeout=120)
 
 
+def _outcomes(http_url: str) -> dict[str, float]:
+    """rnnserve_requests_total of model 'wide' by outcome, from /metrics."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{http_url}/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == "rnnserve_requests_total" and sample.labels.get("model") == "wide":
+                out[sample.labels["outcome"]] = out.get(sample.labels["outcome"], 0.0) + sample.value
+    return out
+
+
+def _grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if after.get(k, 0.0) != before.get(k, 0.0)}
+
+
 def _json_chunk(x: np.ndarray, sequence_id: int) -> bytes:
     doc = {"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}],
            "outputs": [{"name": "h_n"}], "parameters": {"sequence_id": sequence_id}}
@@ -73,6 +88,7 @@ def test_a_chunk_whose_client_goes_away_ends_its_stream(server, transport):
     sid = 7001 if transport == "grpc" else 7002
     rng = np.random.default_rng(0)
     a, b, c = (rng.standard_normal((1, n, 4)).astype(np.float32) for n in (5, 3000, 4))
+    before = _outcomes(http_url)
     with grpc.insecure_channel(grpc_url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         stub.ModelInfer(_request(a, sid, start=True), timeout=30)
@@ -92,6 +108,8 @@ def test_a_chunk_whose_client_goes_away_ends_its_stream(server, transport):
         for call in busy:
             call.result(timeout=120)
         time.sleep(0.5)
+        # the outcomes add up to the requests sent: the first chunk and the busy ones, and the cancelled chunk
+        assert _grown(before, _outcomes(http_url)) == {"success": 3, "cancelled": 1}
         with pytest.raises(grpc.RpcError) as info:
             stub.ModelInfer(_request(c, sid, end=True), timeout=30)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND, info.value.details()
@@ -107,13 +125,14 @@ def test_a_chunk_whose_client_goes_away_ends_its_stream(server, transport):
 def test_a_full_queue_refuses_at_once_in_every_layout(server):
     """max_queue_size 4: with the engine busy, most of 40 concurrent requests are refused at once with 503 /
     UNAVAILABLE naming the limit; the others are answered right."""
-    _, grpc_url, layout = server
+    http_url, grpc_url, layout = server
     if layout == "two engines":
         pytest.skip("each engine process has its own queue; the busy requests hold only one of them")
     x = np.random.default_rng(1).standard_normal((1, 6, 4)).astype(np.float32)
     with grpc.insecure_channel(grpc_url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         want = _h_n(stub.ModelInfer(_request(x), timeout=30))
+        before = _outcomes(http_url)
         busy = [_busy(stub) for _ in range(2)]
         time.sleep(0.3)
         with concurrent.futures.ThreadPoolExecutor(40) as pool:
@@ -133,3 +152,25 @@ def test_a_full_queue_refuses_at_once_in_every_layout(server):
         assert exc.code() == grpc.StatusCode.UNAVAILABLE and "(max_queue_size 4); retry later" in exc.details()
     for got in answered:
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # batched with others: BLAS sums in another order
+    # every refusal is counted, also those of a front-end's own queue, which the engine process never sees
+    assert _grown(before, _outcomes(http_url)) == {"success": len(answered) + 2, "unavailable": len(refused)}
+
+
+def test_a_request_cancelled_while_it_waits_is_counted_as_cancelled(server):
+    """gRPC cancels a call whose deadline passes; it was not counted at all (the outcomes did not add up)."""
+    http_url, grpc_url, layout = server
+    x = np.random.default_rng(2).standard_normal((1, 6, 4)).astype(np.float32)
+    with grpc.insecure_channel(grpc_url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        stub.ModelInfer(_request(x), timeout=30)
+        before = _outcomes(http_url)
+        busy = [_busy(stub) for _ in range(2 if layout != "two engines" else 4)]
+        time.sleep(0.2)  # the busy requests run: the call below waits behind them, and leaves before they end
+        # (a request a front-end merged with others before it left is computed and counted with them)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(_request(x), timeout=0.15)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        for call in busy:
+            call.result(timeout=120)
+        time.sleep(0.3)
+        assert _grown(before, _outcomes(http_url)) == {"success": len(busy), "cancelled": 1}
