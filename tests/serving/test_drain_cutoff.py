@@ -81,3 +81,55 @@ def test_requests_cut_off_by_the_drain_timeout_get_503_json_and_unavailable(tmp_
     assert answers["grpc"].status() == "StatusCode.UNAVAILABLE", answers["grpc"]
     assert "the server is shutting down" in answers["grpc"].message(), answers["grpc"]
     assert "retry it on another replica" in answers["grpc"].message(), answers["grpc"]
+
+
+@pytest.mark.parametrize("layout", [(), ("--frontends", "2")], ids=["one-process", "front-ends"])
+def test_open_streams_and_health_watches_do_not_hold_the_drain(tmp_path, layout):
+    """An idle ModelStreamInfer call and a grpc.health.v1 Watch held SIGTERM for the whole drain timeout (30 s by
+    default: past Docker's 10 s stop, so the container was killed), and were then told their requests had not
+    finished in time. Now the stream answers what it was sent and ends with UNAVAILABLE, the watch sends
+    NOT_SERVING and ends, and the server exits at once."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from service.transports.grpc.generated import inference_pb2 as pb
+    from service.transports.grpc.generated import inference_pb2_grpc as pb_grpc
+
+    repo = build_repository(tmp_path / "models")
+    proc, _, grpc_url = start_server(repo, "--drain-timeout-s", "30", *layout)
+    target = grpc_url.split("://")[1]
+    channels = [grpc.insecure_channel(target) for _ in range(2)]
+    try:
+        requests: list[Any] = []
+        wake = threading.Condition()
+
+        def chunks():  # one request, then nothing until the test ends the iterator
+            req = pb.ModelInferRequest(model_name="lstm")
+            req.inputs.add(name="input", datatype="FP32", shape=[1, 3, 4])
+            req.raw_input_contents.append(np.zeros((1, 3, 4), np.float32).tobytes())
+            yield req
+            with wake:
+                wake.wait_for(lambda: requests, timeout=60)
+
+        stream = pb_grpc.GRPCInferenceServiceStub(channels[0]).ModelStreamInfer(chunks(), timeout=60)
+        first = next(stream)
+        assert not first.error_message and first.infer_response.model_name == "lstm"
+        watch = health_pb2_grpc.HealthStub(channels[1]).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        start = time.monotonic()
+        proc.send_signal(__import__("signal").SIGTERM)
+        with pytest.raises(grpc.RpcError) as ended:
+            next(stream)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "the server is stopping: this ModelStreamInfer call ends here" in ended.value.details()
+        assert [r.status for r in watch] == [health_pb2.HealthCheckResponse.NOT_SERVING]  # then the call ends OK
+        assert proc.wait(timeout=20) == 0
+        assert time.monotonic() - start < 10, "the drain waited for idle calls"
+    finally:
+        with wake:
+            requests.append(None)
+            wake.notify_all()
+        for channel in channels:
+            channel.close()
+        if proc.poll() is None:
+            proc.kill()

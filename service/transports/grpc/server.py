@@ -53,8 +53,36 @@ class ReadinessHealthServicer(health_aio.HealthServicer):
         return await super().Check(request, context)
 
     async def Watch(self, request, context):
+        """The base class's Watch, except that a watch ends once the server stops and NOT_SERVING is sent: an
+        open watch held the drain to its timeout, and then was told it had not finished in time."""
         await self.refresh()
-        return await super().Watch(request, context)
+        service = request.service
+        condition = self._server_watchers[service]
+        self._watcher_count_by_service[service] += 1
+        try:
+            async with condition:
+                last = None
+                while True:
+                    status = self._server_status.get(service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+                    if status != last:
+                        await context.write(health_pb2.HealthCheckResponse(status=status))
+                        last = status
+                    if self._gracefully_shutting_down:
+                        return
+                    await condition.wait()
+        finally:
+            self._watcher_count_by_service[service] -= 1
+            if self._watcher_count_by_service[service] == 0:
+                del self._server_watchers[service]
+                del self._watcher_count_by_service[service]
+
+    async def enter_graceful_shutdown(self) -> None:
+        """NOT_SERVING for every service, and every watch woken to send it and end (a watch of a service
+        nobody sets was never woken)."""
+        await super().enter_graceful_shutdown()
+        for condition in list(self._server_watchers.values()):
+            async with condition:
+                condition.notify_all()
 
 
 class GRPCServer:
@@ -66,10 +94,11 @@ class GRPCServer:
     """
 
     def __init__(self, server: aio.Server, bound_port: int, health: ReadinessHealthServicer,
-                 calls: CallTracker | None = None) -> None:
+                 calls: CallTracker | None = None, inference: InferenceServicer | None = None) -> None:
         self.server = server
         self.bound_port = bound_port
         self._health = health
+        self._inference = inference
         self._calls = calls if calls is not None else CallTracker()
         self._poller: asyncio.Task | None = None
 
@@ -87,6 +116,8 @@ class GRPCServer:
                 await self._poller
             self._poller = None
         await self._health.enter_graceful_shutdown()
+        if self._inference is not None:
+            self._inference.begin_drain()
         if grace is None:
             await self.server.stop(grace)
             return
@@ -130,7 +161,8 @@ def create_grpc_server(
     )
     inference = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     calls = CallTracker()
-    register(server, InferenceServicer(dataplane, max_message_bytes=max_message_bytes), inference, calls)
+    servicer = InferenceServicer(dataplane, max_message_bytes=max_message_bytes)
+    register(server, servicer, inference, calls)
     health = ReadinessHealthServicer(dataplane)
     register(server, health, health_pb2.DESCRIPTOR.services_by_name["Health"], calls)
     server.add_generic_rpc_handlers((UnservedMethods(inference),))
@@ -145,4 +177,4 @@ def create_grpc_server(
         bound_port = 0
     if bound_port == 0:
         raise listen_error(f"{address} (--grpc-port)", None)
-    return GRPCServer(server, bound_port, health, calls)
+    return GRPCServer(server, bound_port, health, calls, servicer)

@@ -14,7 +14,7 @@ from google.protobuf import json_format
 
 from ...dataplane.repository_parameters import check_load_parameters, check_unload_parameters
 from ...dataplane.types import AnswerLimit
-from ...errors import InvalidInput, TooLarge
+from ...errors import InvalidInput, TooLarge, Unavailable
 from .codec import decode_parameters, decode_request, encode_response
 from .generated import inference_pb2 as pb
 from .generated import inference_pb2_grpc as pb_grpc
@@ -51,12 +51,22 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, dataplane, stream_window: int = STREAM_WINDOW, max_message_bytes: int | None = None) -> None:
         self._dataplane = dataplane
         self._endings: set[asyncio.Future] = set()
+        self._readers: set[asyncio.Task] = set()  # each open ModelStreamInfer call's reader of its requests
+        self._draining = False
         self._stream_window = stream_window
         self._max_message_bytes = max_message_bytes
         # answers are FP32 raw contents, 4 bytes a number: refused before they run when those alone are over the limit
         self._answer_limit = None if max_message_bytes is None else AnswerLimit(
             max_message_bytes, 4, "ask only for the outputs you need (output_last instead of output), raise the limit",
             what="the server's gRPC message limit", overhead=ANSWER_FRAME_BYTES)
+
+    def begin_drain(self) -> None:
+        """The server is stopping: every open ModelStreamInfer call stops reading requests, answers the ones it
+        has, and ends with UNAVAILABLE. An idle stream held the drain to its timeout, and then was told its
+        requests had not finished in time when none was running."""
+        self._draining = True
+        for reader in list(self._readers):
+            reader.cancel()
 
     async def _answer(self, request: pb.ModelInferRequest, wrapper: int = 0) -> pb.ModelInferResponse:
         """The ModelInferResponse to ``request``, refused with a message that says what to change when it is
@@ -152,13 +162,24 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 in_order.put_nowait(None)
 
         reader = asyncio.create_task(read())
+        self._readers.add(reader)
+        if self._draining:  # opened while the server stops: no request is read
+            reader.cancel()
         try:
             while (item := await in_order.get()) is not None:
                 response = await item[0]
                 window.release()
                 yield response
-            await reader  # a failure to read the stream ends the call with its status
+            try:
+                await reader  # a failure to read the stream ends the call with its status
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if not self._draining or (current is not None and current.cancelling()):
+                    raise
+                raise Unavailable("the server is stopping: this ModelStreamInfer call ends here, every request it "
+                                  "sent answered; send the next ones to another replica") from None
         finally:
+            self._readers.discard(reader)
             reader.cancel()
             while not in_order.empty():
                 item = in_order.get_nowait()
