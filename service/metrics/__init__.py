@@ -125,7 +125,8 @@ class ServerMetrics:
         history).
 
         ``rnnserve_model_ready`` stays, at 0: an alert on ``rnnserve_model_ready == 0`` must see a version
-        that was unloaded or retired, and a series that vanished reads as "no data", not as 0. Queue depth
+        that was unloaded, and a series that vanished reads as "no data", not as 0 (the registry removes it once
+        the version leaves the index). Queue depth
         and live streams of a version that no longer serves say nothing, so they go.
         """
         self.model_ready.labels(model=model, version=version).set(0)

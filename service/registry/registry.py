@@ -217,6 +217,14 @@ class ModelRegistry:
         if self.metrics is not None:
             self.metrics.model_ready.labels(model=name, version="").set(0)
 
+    def _drop_ready(self, name: str, label: str) -> None:
+        """A version (or a model's "no version" mark) left the model: its ``rnnserve_model_ready`` series goes, as
+        its row leaves the index. Left at 0, an alert on ``== 0`` fired for good after a version was deleted or
+        the version policy moved past it. Versions still listed (unloaded, failed) keep their 0."""
+        if self.metrics is not None:
+            with contextlib.suppress(KeyError):  # never set
+                self.metrics.model_ready.remove(name, label)
+
     async def load(self, name: str) -> None:
         """(Re)load model ``name`` from the repository per its version policy; raise the load error if any."""
         if not _NAME.fullmatch(name):
@@ -248,8 +256,10 @@ class ModelRegistry:
                 if sv.state not in (ModelState.READY, ModelState.LOADING):
                     await self._retire(sv, drain=True)
                     del entry.versions[v]
+                    self._drop_ready(name, sv.label)
             if not entry.versions and self._models.get(name) is entry:
                 del self._models[name]
+                self._drop_ready(name, "")
 
     async def _load_locked(self, entry: ModelEntry, model_dir: Path) -> None:
         try:
@@ -262,6 +272,7 @@ class ModelRegistry:
             if not any(v.state == ModelState.READY for v in entry.versions.values()):
                 for sv in list(entry.versions.values()):
                     await self._retire(sv, drain=True)
+                    self._drop_ready(entry.name, sv.label)
                 entry.versions.clear()
                 entry.state, entry.reason = ModelState.UNAVAILABLE, exc.message
                 self._none_ready(entry.name)
@@ -293,6 +304,7 @@ class ModelRegistry:
                 if loaded or previous.state != ModelState.READY:
                     await self._retire(previous, drain=True)
                     del entry.versions[v]
+                    self._drop_ready(entry.name, previous.label)
             elif entry.versions.get(v) is not previous:
                 streams = entry.versions[v].streams
                 if streams is not None and previous.streams is not None:

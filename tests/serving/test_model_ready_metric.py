@@ -1,8 +1,10 @@
 """``rnnserve_model_ready`` through a version's life (load, unload, reload, retire, failed load), read from the
 REST app's /metrics as Prometheus parses it.
 
-A version that stops serving keeps its series at 0: an alert on ``rnnserve_model_ready == 0`` must fire for
-it, and a series that disappears reads as "no data", which such an alert never sees.
+A version that stops serving and stays listed in the repository index (unloaded, or failed) keeps its series at
+0: an alert on ``rnnserve_model_ready == 0`` must fire for it, and a series that disappears reads as "no data",
+which such an alert never sees. A version that leaves the index (the version policy moved past it, its folder was
+deleted) takes its series with it: left at 0, the alert fired for good after every rollout.
 """
 from __future__ import annotations
 
@@ -53,17 +55,40 @@ async def test_unload_reads_0_and_load_reads_1_again_however_often(repo):
         assert (await _gauges(client, "gru_bi"))[("rnnserve_model_ready", "1")] == 1  # the other model untouched
 
 
-async def test_a_version_a_reload_retires_reads_0(repo):
+async def test_a_version_a_reload_retires_leaves_with_its_series(repo):
     async with rest_client(repo) as (client, _):
         make_model(*LSTM, seed=12).save(repo, "lstm", 2)
         assert (await client.post("/v2/repository/models/lstm/load")).status_code == 200  # latest: 2 replaces 1
-        gauges = await _gauges(client, "lstm")
-        assert gauges[("rnnserve_model_ready", "1")] == 0 and gauges[("rnnserve_model_ready", "2")] == 1
-        assert ("rnnserve_queue_depth", "1") not in gauges and ("rnnserve_model_engine", "1") not in gauges
+        assert await _gauges(client, "lstm") == {
+            ("rnnserve_model_ready", "2"): 1, ("rnnserve_queue_depth", "2"): 0,
+            ("rnnserve_model_engine", "2"): 1, ("rnnserve_active_streams", "2"): 0}
         write_config(repo, "lstm", version_policy=[1])  # and back
         assert (await client.post("/v2/repository/models/lstm/load")).status_code == 200
         gauges = await _gauges(client, "lstm")
-        assert gauges[("rnnserve_model_ready", "1")] == 1 and gauges[("rnnserve_model_ready", "2")] == 0
+        assert gauges[("rnnserve_model_ready", "1")] == 1 and ("rnnserve_model_ready", "2") not in gauges
+        rows = [r for r in (await client.post("/v2/repository/index")).json() if r["name"] == "lstm"]
+        assert [r["version"] for r in rows] == ["1"]  # the metrics say what the index says
+
+
+async def test_deleted_versions_and_models_leave_with_their_series(repo):
+    """A failed version whose folder is deleted, and an unloaded model whose folder is deleted, left the index
+    but kept rnnserve_model_ready 0 until a restart."""
+    import shutil
+
+    async with rest_client(repo) as (client, _):
+        make_model(*LSTM, seed=12).save(repo, "lstm", 2)
+        write_config(repo, "lstm", version_policy="all")
+        (repo / "lstm" / "2" / "model.safetensors").write_bytes(b"\x01\x00")
+        assert (await client.post("/v2/repository/models/lstm/load")).status_code == 400
+        assert (await _gauges(client, "lstm"))[("rnnserve_model_ready", "2")] == 0
+        shutil.rmtree(repo / "lstm" / "2")
+        assert (await client.post("/v2/repository/models/lstm/load")).status_code == 200
+        assert ("rnnserve_model_ready", "2") not in await _gauges(client, "lstm")
+        assert (await client.post("/v2/repository/models/gru_bi/unload")).status_code == 200
+        assert await _gauges(client, "gru_bi") == {("rnnserve_model_ready", "1"): 0}  # listed: unloaded
+        shutil.rmtree(repo / "gru_bi")
+        assert "gru_bi" not in [r["name"] for r in (await client.post("/v2/repository/index")).json()]
+        assert await _gauges(client, "gru_bi") == {}
 
 
 async def test_the_copy_a_reload_replaced_leaves_the_version_s_gauges_to_the_new_copy(repo):
