@@ -6,8 +6,10 @@
 #   docker run --gpus all -p 8000:8000 -p 8001:8001 rnnserve                 # serve /models (--device auto)
 #   docker run -p 8000:8000 -p 8001:8001 rnnserve                            # same image, CPU reference engine
 #   docker run -v "$PWD/my-models:/models" -p 8000:8000 rnnserve             # serve your own repository
-#   docker run -v "$PWD:/work" -v "$PWD/my-models:/models" rnnserve \
-#       convert /work/lstm.pt --name kws --repository /models                # convert with the same image
+#
+# Convert models where their framework is installed (`pip install 'rnnserve[torch]'`, or [keras], [onnx]),
+# since each conversion is checked against it: the image holds no framework, so it cannot read .pt or
+# .keras files, and converts ONNX and safetensors files unchecked ("not verified").
 #
 # ENTRYPOINT is the bare `rnnserve` command, so the first argument picks the subcommand
 # (serve, convert, inspect); CMD is the default `serve` of the baked-in /models.

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from . import eventloop
 from .dataplane import DataPlane
+from .engines.factory import cuda_problem
 from .errors import RNNServeError
 from .heap import freeze_heap
 from .metrics import ServerMetrics
@@ -269,6 +270,10 @@ def serve_main(argv: list[str]) -> int:
         print(f"error: model repository '{settings.repository}' is not a folder; pass --repository DIR "
               f"(or RNNSERVE_REPOSITORY) naming a folder of models (an empty one serves none until models are "
               f"added and loaded)", file=sys.stderr)
+        return 2
+    if settings.device == "cuda" and (problem := cuda_problem()) is not None:
+        print(f"error: --device cuda cannot serve here: {problem}; serve with --device auto (cuDNN where it "
+              f"works, else NumPy) or --device cpu", file=sys.stderr)
         return 2
     logging.getLogger().setLevel(settings.log_level.upper())
     try:

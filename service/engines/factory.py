@@ -12,6 +12,23 @@ log = logging.getLogger("rnnserve.engines")
 DEVICES = ("cpu", "cuda", "auto")
 
 
+def cuda_problem() -> str | None:
+    """Why ``--device cuda`` cannot serve on this machine (no CuPy, no GPU, no cuDNN), or None when it can.
+
+    Checked once at start: without it every model failed to load with the same reason while the server
+    reported ready, so a misconfigured replica took traffic it could only refuse.
+    """
+    try:
+        from .cudnn import library
+        from .cudnn.engine import _import_cupy
+
+        _import_cupy()
+        library.get_library()
+    except (ImportError, OSError, RuntimeError, EngineUnavailable) as exc:
+        return getattr(exc, "message", None) or str(exc)
+    return None
+
+
 def create_engine(model: PackedModel, device: str = "cpu", **options: Any) -> Engine:
     """Return an engine for ``model``: "cpu" (reference), "cuda" (cuDNN) or "auto".
 

@@ -192,6 +192,14 @@ class ModelRegistry:
             await asyncio.gather(*(self._load_logged(n) for n in names))
         finally:
             self._started = True
+        serving = [e.name for e in self._models.values() if e.state == ModelState.READY]
+        if not names:
+            log.warning("model repository %s holds no model folder: the server is ready and serves nothing until "
+                        "models are added and loaded (POST /v2/repository/models/NAME/load)", self.repository)
+        elif not serving:
+            # ready by the rule above (nothing loadable is left to wait for), yet it can only refuse: say so loudly
+            log.error("no model of %s could be loaded (the errors above say why); the server is ready and answers "
+                      "every request with an error until a model loads", self.repository)
 
     async def stop(self, drain: bool = True) -> None:
         """Stop every scheduler (running what waits when ``drain``) and release engines."""

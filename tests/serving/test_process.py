@@ -127,3 +127,19 @@ def test_startup_errors_exit_nonzero_with_a_message(tmp_path):
                                   "--host", "127.0.0.1", "--grpc-port", "-1", *args],
                                  cwd=ROOT, capture_output=True, text=True, timeout=60)
             assert run.returncode == code and message in run.stderr, run.stderr
+
+
+def test_device_cuda_without_a_usable_gpu_stops_at_start(tmp_path):
+    """Every model used to fail with the same reason while the server reported ready and took traffic."""
+    import subprocess
+    import sys
+
+    from service.engines.factory import cuda_problem
+
+    if cuda_problem() is None:
+        pytest.skip("this machine can serve on cuda")
+    res = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--device", "cuda", "--http-port", "0",
+                          "--grpc-port", "0"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith("error: --device cuda cannot serve here: the cuDNN engine") and \
+        "serve with --device auto" in res.stderr and "Traceback" not in res.stderr
