@@ -20,9 +20,9 @@ def cuda_problem() -> str | None:
     """
     try:
         from .cudnn import library
-        from .cudnn.engine import _import_cupy
+        from .cudnn.engine import import_cupy
 
-        _import_cupy()
+        import_cupy()
         library.get_library()
     except (ImportError, OSError, RuntimeError, EngineUnavailable) as exc:
         return getattr(exc, "message", None) or str(exc)

@@ -48,7 +48,8 @@ LAYOUTS = ("batch_major", "seq_major")
 
 
 
-def _import_cupy():
+def import_cupy():
+    """CuPy and the number of CUDA GPUs; NoCudaDevice or EngineUnavailable saying what is missing."""
     # Without the NVIDIA driver's control device there is no GPU to miss: that is a CPU machine,
     # where a missing CuPy or CUDA runtime is expected. With it, the same failures are faults.
     cpu_machine = not os.path.exists("/dev/nvidiactl")
@@ -123,7 +124,7 @@ class CudnnEngine(Engine):
         from .descriptors import make_precision
 
         prec = make_precision(self.precision, self.allow_tf32)
-        cp, count = _import_cupy()
+        cp, count = import_cupy()
         if device_id >= count:
             raise EngineUnavailable(f"CUDA device {device_id} does not exist; this machine has {count}")
         self._cp = cp
