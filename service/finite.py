@@ -26,5 +26,7 @@ def _finite(value: object) -> object:
     return value
 
 
+# The longest a duration setting may be: a month. Longer is a typo (1e300 was taken, and logged in 300 digits).
+MAX_SECONDS = 31 * 24 * 3600.0
 Finite = BeforeValidator(_finite)
 FiniteFloat = Annotated[float, Finite]

@@ -18,12 +18,14 @@ from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .errors import InvalidInput
-from .finite import FiniteFloat
+from .finite import MAX_SECONDS, FiniteFloat
+from .repository.config import (MAX_BATCH_SIZE, MAX_COUNT, MAX_FRONTEND_IN_FLIGHT, MAX_QUEUE_DELAY_US,
+                                MAX_SEQUENCE_LENGTH)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-MAX_SECONDS = 31 * 24 * 3600.0  # a month: longer is a typo (1e300 was taken, and logged in 300 digits)
-# RNNSERVE_* variables that are not serve settings: engine and build knobs read where they apply
-OTHER_VARIABLES = frozenset({"RNNSERVE_CUDNN_LIBRARY", "RNNSERVE_NATIVE_CPU", "RNNSERVE_VARIANTS"})
+# RNNSERVE_* variables that are not serve settings: engine knobs read where they apply (the cuDNN library's path,
+# service.engines.cudnn.library.ENV_LIBRARY; the native CPU kernels' switch, service.engines.reference.native.ENV_SWITCH)
+OTHER_VARIABLES = frozenset({"RNNSERVE_CUDNN_LIBRARY", "RNNSERVE_NATIVE_CPU"})
 
 
 class ServeSettings(BaseSettings):
@@ -38,15 +40,15 @@ class ServeSettings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Engine device: cuda (cuDNN), cpu (NumPy reference) or auto (cuDNN when available)."
     )
-    max_batch_size: int = Field(64, ge=1, le=65536, description="Default most sequences per engine call.")
+    max_batch_size: int = Field(64, ge=1, le=MAX_BATCH_SIZE, description="Default most sequences per engine call.")
     max_queue_delay_us: int = Field(
-        0, ge=0, le=10_000_000,
+        0, ge=0, le=MAX_QUEUE_DELAY_US,
         description="Default time the oldest waiting request may wait for a fuller batch (µs); 0 (Triton's default) "
                     "starts a batch as soon as the engine is free, and requests arriving meanwhile form the next one.",
     )
-    max_queue_size: int = Field(1024, ge=1, le=10_000_000,
+    max_queue_size: int = Field(1024, ge=1, le=MAX_COUNT,
                                 description="Default requests waiting per model; more get 503 at once.")
-    max_sequence_length: int = Field(100_000, ge=1, le=1_000_000_000,
+    max_sequence_length: int = Field(100_000, ge=1, le=MAX_SEQUENCE_LENGTH,
                                      description="Default longest T accepted per request.")
     max_batch_memory_mb: int = Field(
         0, ge=0, description="Default working memory one engine call of a model may use, in MiB; a request needing "
@@ -54,13 +56,13 @@ class ServeSettings(BaseSettings):
                              "of the smaller of host and GPU memory).",
     )
     max_streams: int = Field(
-        1024, ge=1, le=10_000_000, description="Default live stateful streams (sequence_id) per model; one more gets UNAVAILABLE (503)."
+        1024, ge=1, le=MAX_COUNT, description="Default live stateful streams (sequence_id) per model; one more gets UNAVAILABLE (503)."
     )
     stream_idle_timeout_s: FiniteFloat = Field(
         60.0, gt=0, le=MAX_SECONDS, description="Default seconds a stateful stream may go without a chunk before its state is dropped."
     )
     frontend_in_flight: int = Field(
-        2, ge=1, le=64,
+        2, ge=1, le=MAX_FRONTEND_IN_FLIGHT,
         description="Default messages each front-end process keeps in the engine process per model (with "
                     "--frontends); requests validated meanwhile wait and leave merged. Raise it (4-8) for larger, "
                     "GPU-bound models, whose batches cost about the same with more rows.",

@@ -225,6 +225,13 @@ class ModelRegistry:
         if self.metrics is not None:
             self.metrics.model_ready.labels(model=name, version="").set(0)
 
+    async def _remove(self, entry: ModelEntry, v: int) -> None:
+        """Retire version ``v`` and take it out of the model: its row leaves the index, and its series with it."""
+        sv = entry.versions[v]
+        await self._retire(sv, drain=True)  # listed while it drains: a request meanwhile is told it is unloading
+        del entry.versions[v]
+        self._drop_ready(entry.name, sv.label)
+
     def _drop_ready(self, name: str, label: str) -> None:
         """A version (or a model's "no version" mark) left the model: its ``rnnserve_model_ready`` series goes, as
         its row leaves the index. Left at 0, an alert on ``== 0`` fired for good after a version was deleted or
@@ -262,9 +269,7 @@ class ModelRegistry:
         async with entry.lock:
             for v, sv in list(entry.versions.items()):
                 if sv.state not in (ModelState.READY, ModelState.LOADING):
-                    await self._retire(sv, drain=True)
-                    del entry.versions[v]
-                    self._drop_ready(name, sv.label)
+                    await self._remove(entry, v)
             if not entry.versions and self._models.get(name) is entry:
                 del self._models[name]
                 self._drop_ready(name, "")
@@ -278,10 +283,8 @@ class ModelRegistry:
                 raise InvalidInput(f"model folder {model_dir} cannot be read: {type(exc).__name__}: {exc}") from None
         except RNNServeError as exc:
             if not any(v.state == ModelState.READY for v in entry.versions.values()):
-                for sv in list(entry.versions.values()):
-                    await self._retire(sv, drain=True)
-                    self._drop_ready(entry.name, sv.label)
-                entry.versions.clear()
+                for v in list(entry.versions):
+                    await self._remove(entry, v)
                 entry.state, entry.reason = ModelState.UNAVAILABLE, exc.message
                 self._none_ready(entry.name)
             else:
@@ -310,9 +313,7 @@ class ModelRegistry:
                 # outside the policy now (or its folder is gone): retired once the new versions serve; a failed
                 # reload leaves the versions that served before serving, and unloaded or failed ones go
                 if loaded or previous.state != ModelState.READY:
-                    await self._retire(previous, drain=True)
-                    del entry.versions[v]
-                    self._drop_ready(entry.name, previous.label)
+                    await self._remove(entry, v)
             elif entry.versions.get(v) is not previous:
                 streams = entry.versions[v].streams
                 if streams is not None and previous.streams is not None:

@@ -13,7 +13,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Fiel
 from pydantic_core import PydanticCustomError
 
 from ..errors import InvalidInput
-from ..finite import Finite
+from ..finite import MAX_SECONDS, Finite
 from .files import read_regular
 
 
@@ -45,25 +45,34 @@ VersionPolicy = Annotated[
 ]
 
 
+# The bounds of the batching and stream settings, shared by config.json and the server's defaults (flags): past
+# them a value is a typo, and the two places must refuse the same ones.
+MAX_BATCH_SIZE = 65536
+MAX_QUEUE_DELAY_US = 10_000_000
+MAX_COUNT = 10_000_000  # requests waiting, live streams
+MAX_SEQUENCE_LENGTH = 1_000_000_000
+MAX_FRONTEND_IN_FLIGHT = 64
+
+
 class ModelConfig(BaseModel):
     """Serving settings of one model (all optional in config.json)."""
 
     model_config = ConfigDict(extra="forbid")
 
     max_batch_size: Integer = Field(
-        64, ge=1, le=65536, description="Most sequences the scheduler runs in one engine call."
+        64, ge=1, le=MAX_BATCH_SIZE, description="Most sequences the scheduler runs in one engine call."
     )
     max_queue_delay_us: Integer = Field(
-        0, ge=0, le=10_000_000,
+        0, ge=0, le=MAX_QUEUE_DELAY_US,
         description="How long the oldest waiting request may wait for others to batch with, in µs. 0 (the default, "
                     "as in Triton) runs a batch as soon as the engine is free; under load, requests that arrive "
                     "while a batch computes form the next batch, so batching needs no added latency.",
     )
     max_queue_size: Integer = Field(
-        1024, ge=1, le=10_000_000,
+        1024, ge=1, le=MAX_COUNT,
         description="Requests waiting at most; more are refused at once with UNAVAILABLE (503)."
     )
-    max_sequence_length: Integer = Field(100_000, ge=1, le=1_000_000_000, description="Longest T accepted per request.")
+    max_sequence_length: Integer = Field(100_000, ge=1, le=MAX_SEQUENCE_LENGTH, description="Longest T accepted per request.")
     max_batch_memory_mb: Integer = Field(
         0, ge=0, description="Working memory one engine call may use, in MiB (estimated from the model's layers: "
                              "rows x longest length x bytes per step; `rnnserve inspect` prints it). A request needing more alone is "
@@ -82,14 +91,14 @@ class ModelConfig(BaseModel):
         "latest", description="Which versions to serve: 'latest', 'all' or a list of version numbers."
     )
     max_streams: Integer = Field(
-        1024, ge=1, le=10_000_000, description="Live stateful streams at most; more are refused with UNAVAILABLE."
+        1024, ge=1, le=MAX_COUNT, description="Live stateful streams at most; more are refused with UNAVAILABLE."
     )
     frontend_in_flight: Integer = Field(
-        2, ge=1, le=64,
+        2, ge=1, le=MAX_FRONTEND_IN_FLIGHT,
         description="Messages each front-end process keeps in the engine process for this model at once (with front-end processes); requests validated meanwhile wait and leave merged. 2 keeps a small model's engine thread fed with few messages; a larger, GPU-bound model batches more with 4-8 (see README).",
     )
     stream_idle_timeout_s: Number = Field(
-        60.0, gt=0, description="A stream with no chunk for this long is dropped with its state."
+        60.0, gt=0, le=MAX_SECONDS, description="A stream with no chunk for this long is dropped with its state."
     )
 
 

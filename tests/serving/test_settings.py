@@ -85,3 +85,18 @@ def test_config_json_overrides_server_defaults(tmp_path):
     assert (cfg.max_batch_size, cfg.max_queue_delay_us, cfg.max_queue_size, cfg.max_sequence_length) == (64, 100, 3, 50)
     (tmp_path / "config.json").write_text("{}")
     assert effective_config(tmp_path, defaults).max_batch_size == 8
+
+
+def test_every_variable_the_service_reads_is_known_to_the_check():
+    """The misspelt-variable check would refuse an engine knob it did not know: every RNNSERVE_ name the
+    service assigns as a variable's name is a setting or one of OTHER_VARIABLES."""
+    import re
+    from pathlib import Path
+
+    from service.settings import OTHER_VARIABLES
+
+    names = {m for path in (Path(__file__).resolve().parents[2] / "service").rglob("*.py")
+             for m in re.findall(r'= "(RNNSERVE_[A-Z0-9_]+)"', path.read_text())}
+    assert names, "no variable names found"
+    known = {f"RNNSERVE_{f.upper()}" for f in ServeSettings.model_fields} | OTHER_VARIABLES
+    assert names <= known, names - known
