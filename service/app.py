@@ -33,6 +33,7 @@ from .heap import freeze_heap
 from .metrics import ServerMetrics
 from .ports import bind_listener
 from .registry import DEFAULTED_FIELDS, ModelRegistry
+from .registry.builds import exit_if_building
 from .settings import ServeSettings
 from .transports.rest import create_rest_app
 from .transports.rest.balanced_accept import BalancedAcceptor, ConnectionTable
@@ -277,7 +278,9 @@ def serve_main(argv: list[str]) -> int:
         return 2
     logging.getLogger().setLevel(settings.log_level.upper())
     try:
-        return eventloop.run(serve(settings), settings.event_loop)
+        code = eventloop.run(serve(settings), settings.event_loop)
     except RNNServeError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
-        return 1
+        code = 1
+    exit_if_building(code)
+    return code

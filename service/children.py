@@ -13,6 +13,7 @@ from typing import Any, Awaitable, Callable
 
 from . import eventloop
 from .errors import RNNServeError
+from .registry.builds import exit_if_building
 from .settings import ServeSettings
 
 START_TIMEOUT_S = 120.0
@@ -39,6 +40,7 @@ def run_child(role: str, settings: dict[str, Any], main: Callable[..., Awaitable
     except Exception as exc:  # noqa: BLE001 - reported to the supervisor, which exits non-zero
         args[-1].put(("error", f"{type(exc).__name__}: {exc}"))
         code = 1
+    exit_if_building(code)  # an engine process stopped during a model load
     raise SystemExit(code)
 
 

@@ -33,6 +33,7 @@ from ..metrics import ServerMetrics
 from ..repository import ModelConfig, PackedModel, load_config, load_model
 from ..repository.model import model_versions, unserved_folders, version_number
 from ..scheduler import MemoryBudget, Scheduler, StreamStore
+from .builds import build_off_loop
 
 log = logging.getLogger("rnnserve.registry")
 _GENERATIONS = itertools.count(1)
@@ -351,7 +352,8 @@ class ModelRegistry:
         sv.state, sv.reason = ModelState.LOADING, ""
         start = time.perf_counter()
         try:
-            model, engine = await asyncio.to_thread(self._build, model_dir, sv.version, sv.config)
+            model, engine = await build_off_loop(self._build, model_dir, sv.version, sv.config,
+                                                 name=f"load {sv.name} version {sv.version}")
         except Exception as exc:  # noqa: BLE001 - a broken model must not stop the others
             err = exc if isinstance(exc, RNNServeError) else RNNServeError(f"{type(exc).__name__}: {exc}")
             sv.state = ModelState.UNAVAILABLE

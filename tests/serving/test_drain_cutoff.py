@@ -133,3 +133,66 @@ def test_open_streams_and_health_watches_do_not_hold_the_drain(tmp_path, layout)
             channel.close()
         if proc.poll() is None:
             proc.kill()
+
+
+_SLOW_BUILD = '''
+import time
+import service.registry.registry as registry
+
+_build = registry.ModelRegistry._build
+
+
+def _slow_build(self, *args, **kwargs):
+    time.sleep(60)  # a model whose engine takes minutes to build (a large model, cuDNN autotuning)
+    return _build(self, *args, **kwargs)
+
+
+registry.ModelRegistry._build = _slow_build
+'''
+
+
+@pytest.mark.parametrize("layout", [(), ("--frontends", "2")], ids=["one-process", "front-ends"])
+def test_sigterm_during_a_model_load_exits_without_waiting_for_it(tmp_path, layout):
+    """A load cannot be interrupted (it runs on a thread); the process used to exit only once it had ended."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from serving_support import LINE, ROOT
+
+    repo = build_repository(tmp_path / "models")
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    # sitecustomize runs in every process of the server (spawned children inherit PYTHONPATH)
+    (hook / "sitecustomize.py").write_text(_SLOW_BUILD)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])}
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--repository", str(repo), "--host",
+                             "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--device", "cpu", *layout],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if LINE.search(line):
+                break
+        http_url = "http://{}:{}".format(*LINE.search(seen[-1]).groups()[:2])
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{http_url}/v2/health/live", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(1.0)  # the loads have started (and sleep)
+        assert httpx.get(f"{http_url}/v2/health/ready", timeout=5).status_code != 200, "the models loaded already"
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=90)
+        took = time.monotonic() - start
+        rest = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    assert rc == 0, "".join(seen) + rest
+    assert took < 15, f"exited {took:.0f} s after SIGTERM"
+    assert "Traceback" not in rest, rest
