@@ -71,6 +71,8 @@ def test_infer_matches_reference_engine(served):
     expected = engine.forward(x, lengths)
     with tg.InferenceServerClient(url) as client:
         assert client.is_server_ready() and client.is_model_ready("lstm")
+        # unknown model or version: not ready, as Triton answers (it used to be a NOT_FOUND error)
+        assert client.is_model_ready("nope") is False and client.is_model_ready("lstm", "9") is False
         meta = client.get_model_metadata("lstm", as_json=True)
         assert [t["name"] for t in meta["inputs"]] == ["input", "lengths", "h_0", "c_0"]
         result = client.infer("lstm", triton_inputs(tg, x, lengths), request_id="q1")

@@ -14,7 +14,7 @@ from google.protobuf import json_format
 
 from ...dataplane.repository_parameters import check_load_parameters, check_unload_parameters
 from ...dataplane.types import AnswerLimit
-from ...errors import InvalidInput, TooLarge, Unavailable
+from ...errors import InvalidInput, NotFound, TooLarge, Unavailable
 from .codec import decode_parameters, decode_request, encode_response
 from .generated import inference_pb2 as pb
 from .generated import inference_pb2_grpc as pb_grpc
@@ -93,7 +93,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=await self._dataplane.ready())
 
     async def ModelReady(self, request, context):
-        return pb.ModelReadyResponse(ready=await self._dataplane.model_ready(request.name, request.version))
+        # Triton answers OK with ready=false for a model or version it does not know: a client polling for a
+        # model that is about to be added waits instead of failing (REST keeps its 404, whose body says why).
+        try:
+            ready = await self._dataplane.model_ready(request.name, request.version)
+        except NotFound:
+            ready = False
+        return pb.ModelReadyResponse(ready=ready)
 
     async def ServerMetadata(self, request, context):
         meta = await self._dataplane.server_metadata()
