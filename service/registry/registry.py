@@ -134,7 +134,19 @@ class ModelRegistry:
         try:
             return self._models[name]
         except KeyError:
+            if _NAME.fullmatch(name) and (self.repository / name).is_dir():  # one stat, not a scan
+                raise NotFound(f"model '{name}' is in repository {self.repository} but not loaded (its folder came "
+                               f"after the server started); load it first: POST /v2/repository/models/{name}/load "
+                               f"(gRPC RepositoryModelLoad)") from None
             raise NotFound(f"unknown model '{name}'; the repository has {', '.join(self.names()) or 'no models'}") from None
+
+    def unseen(self) -> list[str]:
+        """Model folders of the repository that this server has not loaded or tried to (added after it started)."""
+        try:
+            folders = [p.name for p in self.repository.iterdir() if p.is_dir()]
+        except OSError:
+            return []
+        return sorted(n for n in folders if n not in self._models and _NAME.fullmatch(n))
 
     def version(self, name: str, version: str = "") -> ServedVersion:
         """The version to serve: the given one, or the highest READY one when ``version`` is ""; NotFound if unknown."""
@@ -162,10 +174,20 @@ class ModelRegistry:
         return served
 
     def index(self, ready_only: bool = False) -> list[dict[str, str]]:
-        """Repository index rows: name, version, state, reason."""
+        """Repository index rows: name, version, state, reason.
+
+        As Triton's, it lists every model of the repository, loaded or not: a folder added after the server
+        started has a row with no version and no state until it is loaded.
+        """
         rows = []
-        for name in self.names():
-            entry = self._models[name]
+        unseen = () if ready_only else self.unseen()
+        for name in sorted([*self._models, *unseen]):
+            entry = self._models.get(name)
+            if entry is None:
+                rows.append({"name": name, "version": "", "state": "",
+                             "reason": "not loaded (added to the repository after the server started); load it "
+                                       "through the repository API"})
+                continue
             if not entry.versions:
                 rows.append({"name": name, "version": "", "state": entry.state.value, "reason": entry.reason})
             for v in sorted(entry.versions):

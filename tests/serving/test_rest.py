@@ -682,3 +682,22 @@ async def test_a_reload_that_fails_on_its_config_says_so_beside_the_versions_sti
         assert (await client.post("/v2/repository/models/lstm/load")).status_code == 200
         row = next(r for r in (await client.post("/v2/repository/index")).json() if r["name"] == "lstm")
         assert row == {"name": "lstm", "version": "1", "state": "READY", "reason": ""}
+
+
+async def test_the_index_lists_a_model_folder_added_after_the_start(repo):
+    """Triton's index lists every model of the repository, loaded or not; this one listed only what it had seen."""
+    async with rest_client(repo) as (client, _):
+        shutil.copytree(repo / "lstm", repo / "lstm_copy")
+        (repo / ".hidden").mkdir()
+        rows = (await client.post("/v2/repository/index")).json()
+        assert [r["name"] for r in rows] == ["gru_bi", "lstm", "lstm_copy"]
+        assert rows[2]["version"] == "" and rows[2]["state"] == "" and "not loaded" in rows[2]["reason"]
+        assert [r["name"] for r in (await client.post("/v2/repository/index", json={"ready": True})).json()] == \
+            ["gru_bi", "lstm"]
+        r = await client.post("/v2/models/lstm_copy/infer", json={"inputs": [_inp()]})
+        assert r.status_code == 404 and "is in repository" in r.json()["error"]
+        assert "/v2/repository/models/lstm_copy/load" in r.json()["error"]
+        assert (await client.post("/v2/repository/models/lstm_copy/load")).status_code == 200
+        rows = (await client.post("/v2/repository/index")).json()
+        assert {"name": "lstm_copy", "version": "1", "state": "READY", "reason": ""} in rows
+        assert (await client.post("/v2/models/lstm_copy/infer", json={"inputs": [_inp()]})).status_code == 200
