@@ -701,3 +701,21 @@ async def test_the_index_lists_a_model_folder_added_after_the_start(repo):
         rows = (await client.post("/v2/repository/index")).json()
         assert {"name": "lstm_copy", "version": "1", "state": "READY", "reason": ""} in rows
         assert (await client.post("/v2/models/lstm_copy/infer", json={"inputs": [_inp()]})).status_code == 200
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # NumPy's, as the relu cell overflows
+async def test_non_finite_outputs_are_written_as_triton_writes_them(repo):
+    from service.spec import BlockSpec
+
+    from service.repository import PackedModel
+
+    small = make_model(BlockSpec("rnn_relu", 1, 2), seed=1)
+    PackedModel(small.spec, [np.abs(w) * 1e30 for w in small.weights]).save(repo, "relu", 1)
+    async with rest_client(repo) as (client, _):
+        body = {"inputs": [_inp(shape=(1, 2, 1), data=[1e38, 1e38])], "outputs": [{"name": "output"}]}
+        r = await client.post("/v2/models/relu/infer", json=body)
+        assert r.status_code == 200
+        # the inputs are finite; the relu cell overflows: NaN/Infinity tokens, which Python's json reads
+        assert b"Infinity" in r.content or b"NaN" in r.content, r.content
+        values = np.array(json.loads(r.content)["outputs"][0]["data"], np.float32)
+        assert not np.isfinite(values).all()
