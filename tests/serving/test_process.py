@@ -55,6 +55,13 @@ def test_tritonclient_http_end_to_end(server_process, model_repository, binary):
         default = client.infer("lstm", _inputs(x, lengths, binary))  # no outputs: all, binary
         np.testing.assert_allclose(default.as_numpy("output"), expected.output, atol=1e-5)
 
+        # compressed both ways (tritonclient's request and response compression), as Triton answers them
+        for coding in ("gzip", "deflate"):
+            packed = client.infer("lstm", _inputs(x, lengths, binary), outputs=outputs,
+                                  request_compression_algorithm=coding, response_compression_algorithm=coding)
+            for name in ("output", "h_n", "c_n"):
+                np.testing.assert_array_equal(packed.as_numpy(name), result.as_numpy(name))
+
         # a stream in two chunks (sequence_id), equal to the whole first sequence
         one = x[:1]
         client.infer("lstm", _inputs(one[:, :5].copy(), np.array([5], np.int32), binary), sequence_id=11,

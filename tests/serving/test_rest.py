@@ -719,3 +719,30 @@ async def test_non_finite_outputs_are_written_as_triton_writes_them(repo):
         assert b"Infinity" in r.content or b"NaN" in r.content, r.content
         values = np.array(json.loads(r.content)["outputs"][0]["data"], np.float32)
         assert not np.isfinite(values).all()
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+async def test_answers_are_compressed_when_the_request_accepts_it(repo, binary):
+    import gzip
+    import zlib
+
+    x = np.random.default_rng(3).standard_normal((2, 5, 4)).astype(np.float32)
+    body = {**_infer_body(x), "outputs": [{"name": "output", "parameters": {"binary_data": binary}}]}
+    async with rest_client(repo) as (client, _):
+        plain = await client.post("/v2/models/lstm/infer", json=body, headers={"accept-encoding": "identity"})
+        assert plain.status_code == 200, plain.text
+        assert "content-encoding" not in plain.headers and plain.headers["vary"] == "Accept-Encoding"
+        for accept, coding, inflate in [("gzip", "gzip", gzip.decompress), ("deflate", "deflate", zlib.decompress),
+                                        ("deflate;q=0.5, gzip;q=0.9", "gzip", gzip.decompress),
+                                        ("gzip;q=0, deflate", "deflate", zlib.decompress)]:
+            # httpx would inflate it itself: read the raw bytes
+            request = client.build_request("POST", "/v2/models/lstm/infer", json=body,
+                                           headers={"accept-encoding": accept})
+            r = await client.send(request, stream=True)
+            raw = b"".join([chunk async for chunk in r.aiter_raw()])
+            assert r.status_code == 200 and r.headers["content-encoding"] == coding, accept
+            assert inflate(raw) == plain.content
+            # the binary extension's header length counts the JSON header before compression, as Triton's
+            assert r.headers.get("inference-header-content-length") == plain.headers.get("inference-header-content-length")
+        r = await client.post("/v2/models/lstm/infer", json=body, headers={"accept-encoding": "br, *;q=0.1"})
+        assert "content-encoding" not in r.headers and r.content == plain.content
