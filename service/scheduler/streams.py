@@ -17,7 +17,8 @@ Errors (each names the stream and says what to do):
 * a chunk without ``sequence_start`` for a stream that is not live: NOT_FOUND, saying
   whether it was never started, ended with sequence_end, expired, or ended by an
   unload/reload (the store remembers the last ``_REMEMBERED`` ended ids and why);
-* ``sequence_start`` for a stream that is live: INVALID_ARGUMENT (end it first);
+* ``sequence_start`` for a stream that is live is no error, as in Triton: the live stream ends early
+  (its chunks still waiting get NOT_FOUND saying it was restarted) and a new one starts;
 * a new stream over ``max_streams``: UNAVAILABLE (HTTP 503);
 * a chunk cancelled before its answer (the client went away) ends its stream: the
   state may or may not include that chunk, so a later chunk gets NOT_FOUND saying so
@@ -36,14 +37,16 @@ task (and on every open), and counted as an expiration.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from ..engines.state_pool import StatePool
-from ..errors import InvalidInput, NotFound, Unavailable
+from ..errors import NotFound, Unavailable
 from ..metrics import ServerMetrics
 
+log = logging.getLogger("rnnserve.streams")
 _REMEMBERED = 4096  # ended stream ids kept to explain a late chunk
 
 
@@ -140,8 +143,13 @@ class StreamStore:
         state = self._streams.get(key)
         if start:
             if state is not None:
-                raise InvalidInput(f"stream {key} of model '{self.model}' is already live; a second "
-                                   f"sequence_start needs the first to end (sequence_end) or use a new sequence_id")
+                # As Triton: the live stream ends early and this chunk starts a new one (a client that restarts
+                # its sequence under the same id, after a crash or a reconnect, is not locked out until expiry);
+                # its chunks still waiting are refused, saying so.
+                log.warning("stream %s of model '%s' got a second sequence_start while live: the earlier stream "
+                            "ends early and a new one starts", key, self.model)
+                self.close(state, "was restarted: a later chunk started the sequence again (sequence_start)",
+                           "restart")
             if len(self._streams) >= self.max_streams:
                 raise Unavailable(f"model '{self.model}' has {len(self._streams)} live streams (max_streams "
                                   f"{self.max_streams}); end finished streams with sequence_end or retry later")

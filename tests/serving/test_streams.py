@@ -252,3 +252,22 @@ async def test_a_chunk_handed_the_turn_then_cancelled_passes_it_on():
     assert turn.busy
     turn.give()
     assert not turn.busy
+
+
+async def test_a_second_start_restarts_the_stream_and_refuses_its_waiting_chunks(repo):
+    """As Triton: the live stream ends early and the new start runs from zeros; a chunk of the old stream that
+    was still waiting for its turn is refused, saying why, rather than run on the new stream's state."""
+    x = np.random.default_rng(4).standard_normal((1, 6, 4)).astype(np.float32)
+    engine = create_engine(load_model(repo / "lstm"), "cpu")
+    write_config(repo, "lstm", max_batch_size=8, max_queue_delay_us=300_000)  # chunks wait in the batch queue
+    async with rest_client(repo) as (_, dataplane):
+        await dataplane.infer(_request(x, 5, 0, 2, sequence_start=True))
+        held = asyncio.ensure_future(dataplane.infer(_request(x, 5, 2, 4)))   # in the batch queue
+        behind = asyncio.ensure_future(dataplane.infer(_request(x, 5, 4, 6)))  # waits for its stream's turn
+        await asyncio.sleep(0.05)
+        restarted = await dataplane.infer(_request(x, 5, 0, 3, sequence_start=True))
+        with pytest.raises(Exception, match="stream 5 of model 'lstm' is not live: it was restarted"):
+            await behind
+        await held  # it had its turn: it runs and is answered
+        after = await dataplane.infer(_request(x, 5, 3, 6, sequence_end=True))
+    np.testing.assert_allclose(_answer_output([restarted, after]), engine.forward(x).output, atol=1e-5)

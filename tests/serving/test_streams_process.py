@@ -220,9 +220,13 @@ def test_stream_errors(server):
         sid = 9000 + 10 * k
         expect_error(lambda: infer(client, "lstm2", x, sid), "404", "StatusCode.NOT_FOUND",
                      f"stream {sid} of model 'lstm2' is not live (never started")
-        infer(client, "lstm2", x, sid, start=True)
-        expect_error(lambda: infer(client, "lstm2", x, sid, start=True), "400", "StatusCode.INVALID_ARGUMENT",
-                     f"stream {sid} of model 'lstm2' is already live")
+        first = infer(client, "lstm2", x, sid, start=True)
+        infer(client, "lstm2", x, sid)  # the stream moves on
+        # a second sequence_start while live restarts the stream, as in Triton: from zeros again, not refused
+        restarts = metric(server, "rnnserve_stream_ends_total", model="lstm2", reason="restart")
+        again = infer(client, "lstm2", x, sid, start=True)
+        check_same([again], first, server.tol)
+        assert metric(server, "rnnserve_stream_ends_total", model="lstm2", reason="restart") == restarts + 1
         expect_error(lambda: infer(client, "lstm2", x, sid, h0=np.zeros((1, 2, 8), np.float32)), "400",
                      "StatusCode.INVALID_ARGUMENT", "input 'h_0' can only start a stream")
         infer(client, "lstm2", x, sid, end=True)
