@@ -166,7 +166,8 @@ def test_sigterm_during_a_model_load_exits_without_waiting_for_it(tmp_path, layo
     hook.mkdir()
     # sitecustomize runs in every process of the server (spawned children inherit PYTHONPATH)
     (hook / "sitecustomize.py").write_text(_SLOW_BUILD)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [str(hook), str(ROOT), os.environ.get("PYTHONPATH")]
+                                                       if p)}
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--repository", str(repo), "--host",
                              "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--device", "cpu", *layout],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -176,6 +177,7 @@ def test_sigterm_during_a_model_load_exits_without_waiting_for_it(tmp_path, layo
             seen.append(line)
             if LINE.search(line):
                 break
+        assert seen and LINE.search(seen[-1]), "the server did not start:\n" + "".join(seen)
         http_url = "http://{}:{}".format(*LINE.search(seen[-1]).groups()[:2])
         deadline = time.monotonic() + 30
         while httpx.get(f"{http_url}/v2/health/live", timeout=5).status_code != 200:
