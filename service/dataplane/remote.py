@@ -26,7 +26,8 @@ exception (rnnserve errors keep their status). A front-end whose client went awa
 with no reply: the engine process cancels that work as one process would, and the call is
 still answered. ``(None, "count", (model, version, outcome, n))`` (no reply) counts requests the
 front-end settled itself (its queue full, or cancelled before they were sent), so that
-``rnnserve_requests_total`` adds up to the requests received, as in one process. Pickle is safe here: both ends are
+``rnnserve_requests_total`` counts what one process would (every request that decodes into tensors for a
+model; a body that does not decode is answered 400 before any model sees it and not counted, as in Triton). Pickle is safe here: both ends are
 processes of this server, on a socket in a private temporary folder. A front-end's
 large request arrays travel in its shared-memory arena instead (:mod:`.arena`): the frame
 carries their place, and the place is freed when the reply comes.

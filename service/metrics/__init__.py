@@ -53,7 +53,8 @@ class ServerMetrics:
         r = self.registry
         self.requests = Counter(
             "rnnserve_requests",
-            "Inference requests by outcome (success, cancelled: the client went away, or the error status, lower case).",
+            "Inference requests by outcome (success, cancelled: the client went away, or the error status, lower case); "
+            "a body that does not decode into tensors (not JSON, a wrong datatype or size) is answered 400 and not counted.",
             MV + ("outcome",), registry=r)
         self.request_duration = Histogram(
             "rnnserve_request_duration_seconds", "Time from request decoded to response ready (successful requests).",
