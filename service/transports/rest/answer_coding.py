@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import gzip
 import zlib
-from typing import Mapping
 
 # Answers past this size are compressed on a thread (a MB of answer: 30 ms of zlib at its default level for binary
 # float32, 55-85 ms for JSON, on the 2-core VM).
@@ -46,17 +45,9 @@ def _compress(content: bytes, coding: str) -> bytes:
     return gzip.compress(content) if coding == "gzip" else zlib.compress(content)
 
 
-async def encode_answer(content: bytes, headers: Mapping[str, str], accept_encoding: str | None
-                        ) -> tuple[bytes, dict[str, str]]:
-    """``content`` compressed as the request accepts, with ``Content-Encoding`` (and ``Vary``) added to ``headers``."""
-    out = dict(headers)
-    out["vary"] = "Accept-Encoding"
-    coding = answer_coding(accept_encoding)
-    if coding is None:
-        return content, out
+async def compress_answer(content: bytes, headers: dict[str, str], coding: str) -> bytes:
+    """``content`` compressed with ``coding`` (from :func:`answer_coding`); ``Content-Encoding`` set in ``headers``."""
+    headers["content-encoding"] = coding
     if len(content) > _INLINE_BYTES:
-        content = await asyncio.to_thread(_compress, content, coding)
-    else:
-        content = _compress(content, coding)
-    out["content-encoding"] = coding
-    return content, out
+        return await asyncio.to_thread(_compress, content, coding)
+    return _compress(content, coding)

@@ -27,7 +27,7 @@ from starlette.responses import Response
 
 from ...dataplane import DataPlane
 from ...errors import RNNServeError, Unavailable, cut_off_by_drain
-from .answer_coding import encode_answer
+from .answer_coding import answer_coding, compress_answer
 from .codec import HEADER, answer_limit, decode_request, encode_response, header_length, json_values
 from .decode_gate import DecodeGate
 from .responses import BodyLimits, error_response, read_decoded_body
@@ -53,7 +53,10 @@ async def infer_response(dataplane: DataPlane, request: Request, model: str, ver
         resp = await dataplane.infer(req)
     content, headers = await gate.encode(encode_response, resp, req.parameters,
                                          values=json_values(resp, req.parameters))
-    content, headers = await encode_answer(content, headers, request.headers.get("accept-encoding"))
+    headers["vary"] = "Accept-Encoding"  # encode_response's dict is this answer's own
+    coding = answer_coding(request.headers.get("accept-encoding"))
+    if coding is not None:  # only then a coroutine more on the hot path
+        content = await compress_answer(content, headers, coding)
     return Response(content, headers=headers)
 
 
