@@ -11,6 +11,7 @@ from grpc_health.v1.health import aio as health_aio
 from ...errors import cut_off_by_drain
 from ...ports import bind_listener, listen_error
 from .calls import CallTracker
+from . import late_answers
 from .generated import inference_pb2 as pb
 from .servicer import InferenceServicer
 from .status import register
@@ -159,6 +160,7 @@ def create_grpc_server(
             ("grpc.so_reuseport", int(reuse_port)),
         ],
     )
+    late_answers.install()
     inference = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     calls = CallTracker()
     servicer = InferenceServicer(dataplane, max_message_bytes=max_message_bytes)
