@@ -1,13 +1,13 @@
 # syntax=docker/dockerfile:1
 #
-# rnnserve GPU image: cuDNN RNN engine on CUDA 13, NumPy reference engine without a GPU.
+# rnnserve GPU image: cuDNN RNN engine on CUDA 13, the CPU reference engine without a GPU.
 #
 #   docker build -t rnnserve .
 #   docker run --gpus all -p 8000:8000 -p 8001:8001 rnnserve                 # serve /models (--device auto)
 #   docker run -p 8000:8000 -p 8001:8001 rnnserve                            # same image, CPU reference engine
 #   docker run -v "$PWD/my-models:/models" -p 8000:8000 rnnserve             # serve your own repository
 #
-# Convert models where their framework is installed (`pip install 'rnnserve[torch]'`, or [keras], [onnx]),
+# Convert models where their framework is installed (`pip install 'rnnserve[torch]'`, or [keras,torch], [onnx]),
 # since each conversion is checked against it: the image holds no framework, so it cannot read .pt or
 # .keras files, and converts ONNX and safetensors files unchecked ("not verified").
 #

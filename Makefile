@@ -1,5 +1,5 @@
 # rnnserve: two commands do all set-up.
-#   make serve   creates .venv if needed and serves ./models (cuDNN if a GPU is usable, else NumPy)
+#   make serve   creates .venv if needed and serves ./models (cuDNN if a GPU is usable, else the CPU reference engine)
 #   make test    creates .venv with the test extra and runs the whole suite
 PYTHON ?= python3
 VENV ?= .venv

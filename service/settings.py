@@ -38,7 +38,7 @@ class ServeSettings(BaseSettings):
     http_port: int = Field(8000, ge=0, le=65535, description="HTTP (REST) port; 0 picks a free port.")
     grpc_port: int = Field(8001, ge=-1, le=65535, description="gRPC port; 0 picks a free port, -1 turns gRPC off.")
     device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="Engine device: cuda (cuDNN), cpu (NumPy reference) or auto (cuDNN when available)."
+        "auto", description="Engine device: cuda (cuDNN), cpu (the reference engine: NumPy, compiled kernels for plain float32 LSTM/GRU) or auto (cuDNN when available)."
     )
     max_batch_size: int = Field(64, ge=1, le=MAX_BATCH_SIZE, description="Default most sequences per engine call.")
     max_queue_delay_us: int = Field(

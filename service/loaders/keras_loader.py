@@ -26,7 +26,7 @@ from typing import Any
 from ..errors import ConversionError
 from .keras_files import TRANSPARENT, KerasFile, KerasLayer, read_keras_file
 from .keras_mapping import to_recurrent_layer
-from .keras_runner import keras_runner
+from .keras_runner import keras_missing, keras_runner
 from .source import LoadedSource
 
 OPTIONS = ("recurrent_activation",)
@@ -73,7 +73,7 @@ def load_keras(path: Path, select: str | None = None, cell: str | None = None, *
     if kfile.keras_version:
         details["keras_version"] = kfile.keras_version
     return LoadedSource("keras", layers, [layer.name for layer in chosen], notes, runner, ragged_ok=True,
-                        details=details)
+                        details=details, unchecked_reason=keras_missing() if runner is None else "")
 
 
 MASK_OPS = frozenset({"NotEqual", "Any"})

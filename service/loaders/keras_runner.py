@@ -34,6 +34,20 @@ def keras_available() -> bool:
     return any(importlib.util.find_spec(m) is not None for m in modules.values())
 
 
+def keras_missing() -> str:
+    """Why Keras cannot run here, saying what to install; "" when it can."""
+    if importlib.util.find_spec("keras") is None:
+        return "keras is not installed (pip install 'rnnserve[keras]' and one of its backends: torch, tensorflow or jax)"
+    if keras_available():
+        return ""
+    backend = os.environ.get("KERAS_BACKEND")
+    if backend:
+        return (f"keras is installed but not its backend {backend!r} (KERAS_BACKEND): install it, or set "
+                f"KERAS_BACKEND to an installed one (torch, tensorflow or jax)")
+    return ("keras is installed but none of its backends is: install one (torch, tensorflow or jax), e.g. "
+            "pip install 'rnnserve[keras,torch]'")
+
+
 def _import_keras():
     import sys
 

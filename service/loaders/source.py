@@ -25,6 +25,7 @@ class LoadedSource:
     runner: SourceRunner | None = None   # None when the framework is not installed
     ragged_ok: bool = True               # whether ``runner`` honours per-sequence lengths
     details: dict[str, Any] = field(default_factory=dict)
+    unchecked_reason: str = ""           # why ``runner`` is None, in words that say what to install
 
 
 def sniff_format(path: Path) -> str | None:

@@ -21,10 +21,19 @@ def probe_input(input_size: int, seed: int = 1234) -> tuple[np.ndarray, np.ndarr
     return x, np.array([7, 1, 4], dtype=np.int64)
 
 
+# What runs each format's source model, and the extra that installs it.
+_RUNTIMES = {"torch": "torch", "keras": "keras", "onnx": "onnxruntime"}
+
+
+def _missing(fmt: str) -> str:
+    return (f"{_RUNTIMES.get(fmt, fmt)} is not installed, so the source model could not be run to check the "
+            f"conversion (pip install 'rnnserve[{fmt}]' and convert again)")
+
+
 def verify_against_source(model: PackedModel, loaded: LoadedSource) -> dict[str, Any]:
     """Compare outputs; return a record for the provenance, raise VerificationError on mismatch."""
     if loaded.runner is None:
-        return {"checked": False, "reason": f"{loaded.format} framework not installed"}
+        return {"checked": False, "reason": loaded.unchecked_reason or _missing(loaded.format)}
     from ..engines.reference import ReferenceEngine
 
     x, lengths = probe_input(model.spec.input_size)

@@ -97,6 +97,24 @@ def test_matches_keras(built, tmp_path, name, fmt):
         assert not got[i, n:].any()
 
 
+def test_unchecked_conversion_says_what_to_install(built, tmp_path, monkeypatch):
+    """Keras without a backend cannot run the source model: the conversion is stored unchecked, and the reason
+    names what is missing (it used to say "keras framework not installed" with Keras installed)."""
+    import importlib.util
+
+    path = save(built["lstm"], tmp_path, "keras")
+    monkeypatch.setenv("KERAS_BACKEND", "jax")  # not installed here
+    reason = convert(path).provenance["verification"]
+    assert reason["checked"] is False and "not its backend 'jax'" in reason["reason"]
+
+    monkeypatch.delenv("KERAS_BACKEND")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("torch", "tensorflow", "jax") else find_spec(name, *a))
+    reason = convert(path).provenance["verification"]["reason"]
+    assert "none of its backends" in reason and "rnnserve[keras,torch]" in reason
+
+
 @pytest.mark.parametrize("reset_after", [True, False])
 @pytest.mark.parametrize("wrap", [False, True])
 def test_gru_without_bias(tmp_path, reset_after, wrap):

@@ -239,11 +239,14 @@ def test_bfloat16_safetensors_without_torch(tmp_path, monkeypatch):
     with torch.no_grad():
         for p in mod.parameters():
             p.copy_(p.to(torch.bfloat16).float())
+    pt = save_pt(tmp_path, {})  # saved first: torch.save imports parts of torch lazily
     monkeypatch.setitem(sys.modules, "torch", None)  # as on a serving box without torch
     model = service.convert(path)
-    assert model.provenance["verification"] == {"checked": False, "reason": "torch framework not installed"}
+    verification = model.provenance["verification"]
+    assert verification["checked"] is False and "torch is not installed" in verification["reason"]
+    assert "pip install 'rnnserve[torch]'" in verification["reason"]
     with pytest.raises(MissingDependency, match=r"reading a PyTorch .pt/.pth file .*pip install 'rnnserve\[torch\]'"):
-        service.convert(save_pt(tmp_path, {}))  # torch.save works: the module object is already bound here
+        service.convert(pt)
     monkeypatch.undo()
     x = np.random.default_rng(13).standard_normal((3, T, I)).astype(np.float32)
     check(service.create_engine(model, "cpu"), mod, x, np.array([2, T, 1]))
