@@ -14,6 +14,7 @@ from onnx import NodeProto
 
 from ..errors import ConversionError
 from .onnx_graph import RECURRENT_OPS, GraphIndex
+from .onnx_shape_expr import Entry, target_entries
 
 Label = tuple[str, ...]   # atoms "T", "B", "D", "H"; () is an axis of size 1
 
@@ -46,8 +47,13 @@ def _str(value) -> str:
 
 
 class _Axes:
-    def __init__(self, d: int, h: int) -> None:
+    def __init__(self, d: int, h: int, static: dict[str, int] | None = None) -> None:
         self.sizes = {"D": d, "H": h}
+        self.static = static or {}  # T and B as a static export fixed them: tells a kept unit axis from a new one
+
+    def unit(self, label: Label) -> bool:
+        """Whether the axis has size 1, counting a static export's T and B."""
+        return all(self.sizes.get(a, self.static.get(a)) == 1 for a in label)
 
     def norm(self, label: Label) -> Label:
         return tuple(a for a in label if self.sizes.get(a, 0) != 1)
@@ -75,7 +81,7 @@ def _axes_arg(index: GraphIndex, node: NodeProto, rank: int, added: bool = False
     return [int(a) + rank if int(a) < 0 else int(a) for a in axes]
 
 
-def _reshape(ax: _Axes, labels: list[Label], shape: list[int], what: str) -> list[Label]:
+def _reshape(ax: _Axes, labels: list[Label], shape: list[Entry], what: str) -> list[Label]:
     def consume(target: int, cur: int, step: int) -> tuple[Label, int]:
         acc: Label = ()
         prod = 1
@@ -95,6 +101,14 @@ def _reshape(ax: _Axes, labels: list[Label], shape: list[int], what: str) -> lis
                 break
         raise _Unfollowable(f"{what} splits an axis")
 
+    def same_axis(e: Label, cur: int, step: int) -> tuple[Label, int]:
+        """A computed entry naming the time or batch axis: it must be the next axis with more than one element."""
+        while 0 <= cur < len(labels) and ax.unit(labels[cur]) and ax.norm(labels[cur]) != ax.norm(e):
+            cur += step
+        if not 0 <= cur < len(labels) or ax.norm(labels[cur]) != ax.norm(e):
+            raise _Unfollowable(f"{what} moves the time or batch axis")
+        return labels[cur], cur + step
+
     if shape.count(-1) > 1:
         raise _Unfollowable(f"{what} has more than one -1")
     split = shape.index(-1) if -1 in shape else len(shape)
@@ -102,12 +116,15 @@ def _reshape(ax: _Axes, labels: list[Label], shape: list[int], what: str) -> lis
     out_left: list[Label] = []
     cur = 0
     for j, e in enumerate(left):
-        if e == 0:
+        if isinstance(e, tuple):
+            lab, cur = same_axis(e, cur, 1)
+            out_left.append(lab)
+        elif e == 0:
             if cur != j:
                 raise _Unfollowable(f"{what} copies an axis out of place")
             out_left.append(labels[j])
             cur += 1
-        elif e == 1 and (cur >= len(labels) or ax.size(labels[cur]) != 1):
+        elif e == 1 and (cur >= len(labels) or not ax.unit(labels[cur])):
             out_left.append(())
         else:
             lab, cur = consume(e, cur, 1)
@@ -115,7 +132,11 @@ def _reshape(ax: _Axes, labels: list[Label], shape: list[int], what: str) -> lis
     end = len(labels) - 1
     out_right: list[Label] = []
     for e in reversed(right):
-        if e == 0 or (e == 1 and ax.size(labels[end]) != 1):
+        if isinstance(e, tuple):
+            lab, end = same_axis(e, end, -1)
+            out_right.insert(0, lab)
+            continue
+        if e == 0 or (e == 1 and not ax.unit(labels[end])):
             if e == 0:
                 raise _Unfollowable(f"{what} copies an axis after -1")
             out_right.insert(0, ())
@@ -133,9 +154,10 @@ def _reshape(ax: _Axes, labels: list[Label], shape: list[int], what: str) -> lis
 def follow_labels(index: GraphIndex, src: NodeProto, ops: list[NodeProto]) -> list[Label]:
     """Axis labels of the value that ``ops`` make from ``src``'s Y."""
     d, h = _dims(index, src)
-    ax = _Axes(d, h)
-    labels: list[Label] = [("B",), ("T",), ("D",), ("H",)] if index.attr(src, "layout", 0) == 1 else \
-        [("T",), ("D",), ("B",), ("H",)]
+    layout = index.attr(src, "layout", 0)
+    ax = _Axes(d, h, _static_time_batch(index, src, layout))
+    labels: list[Label] = [("B",), ("T",), ("D",), ("H",)] if layout == 1 else [("T",), ("D",), ("B",), ("H",)]
+    value = src.output[0]
     for node in ops:
         what = f"{node.op_type} '{index.name(node)}'"
         op = node.op_type
@@ -162,15 +184,26 @@ def follow_labels(index: GraphIndex, src: NodeProto, ops: list[NodeProto]) -> li
             axis = axis + len(labels) if axis < 0 else axis
             labels = [tuple(a for lab in labels[:axis] for a in lab), tuple(a for lab in labels[axis:] for a in lab)]
         elif op == "Reshape":
-            shape = index.constant(node.input[1]) if len(node.input) > 1 else None
+            shape = target_entries(index, node.input[1], value, labels) if len(node.input) > 1 else None
             if shape is None:
-                raise _Unfollowable(f"{what} has a computed target shape")
-            if index.attr(node, "allowzero", 0) and 0 in shape.tolist():
+                raise _Unfollowable(f"{what} has a target shape computed from more than the shape of its input")
+            shape = [e if isinstance(e, int) or ax.size(e) is None else ax.size(e) for e in shape]
+            if index.attr(node, "allowzero", 0) and 0 in shape:
                 raise _Unfollowable(f"{what} reshapes to an empty tensor")
-            labels = _reshape(ax, labels, [int(s) for s in shape.reshape(-1)], what)
+            labels = _reshape(ax, labels, shape, what)
         else:
             raise _Unfollowable(f"{what} is not a shape-only op")
+        value = node.output[0]
     return [ax.norm(lab) for lab in labels]
+
+
+def _static_time_batch(index: GraphIndex, src: NodeProto, layout: int) -> dict[str, int]:
+    """T and B of ``src``'s Y where the file fixes them (an export without dynamic axes)."""
+    dims = index.static_dims.get(src.output[0])
+    if not dims or len(dims) != 4:
+        return {}
+    t, b = (dims[1], dims[0]) if layout == 1 else (dims[0], dims[2])
+    return {k: v for k, v in (("T", t), ("B", b)) if v}
 
 
 def find_edges(index: GraphIndex, nodes: list[NodeProto]) -> list[Edge]:

@@ -80,6 +80,7 @@ class GraphIndex:
         self.graph_inputs: set[str] = set()      # inputs without an initializer, incl. subgraph inputs
         self.consumers: dict[str, list[NodeProto]] = {}
         self._const_cache: dict[str, np.ndarray | None] = {}
+        self.static_dims: dict[str, list[int | None]] = {}  # value -> its dims where the file states them
         self._walk(model.graph)
         self.graph_inputs -= set(self.initializers)
         self._name_nodes()
@@ -91,6 +92,10 @@ class GraphIndex:
             self.initializers.setdefault(sparse.values.name, numpy_helper.from_array(
                 numpy_helper.to_array(sparse), sparse.values.name))
         self.graph_inputs.update(i.name for i in graph.input)
+        for info in (*graph.input, *graph.value_info, *graph.output):
+            if info.type.HasField("tensor_type") and info.type.tensor_type.HasField("shape"):
+                self.static_dims.setdefault(info.name, [d.dim_value if d.HasField("dim_value") else None
+                                                        for d in info.type.tensor_type.shape.dim])
         for node in graph.node:
             self.nodes.append(node)
             for k, out in enumerate(node.output):

@@ -114,7 +114,8 @@ def stored_weights(name: str, weights: np.ndarray, dtype: str) -> np.ndarray:
     """``weights`` (float32) as they are stored in ``dtype`` (bfloat16: float32 holding the rounded values); refused with
     InvalidInput when a value does not fit (float16 tops out at 65504: a larger weight would be stored as inf)."""
     if dtype == "float16":
-        stored = weights.astype(np.float16)
+        with np.errstate(over="ignore"):  # a weight past float16's range is refused below, in words
+            stored = weights.astype(np.float16)
     elif dtype == "bfloat16":
         stored = bfloat16_bits_to_float32(float32_to_bfloat16_bits(weights))
     else:

@@ -42,16 +42,18 @@ def _close(got, expected):
 torch = pytest.importorskip("torch")
 
 
-def _export(tmp_path, kind, layers, bidirectional, batch_first, dynamo=False, **kw):
+def _export(tmp_path, kind, layers, bidirectional, batch_first, dynamo=False, batch=2, dynamic=False, **kw):
     torch.manual_seed(0)
     module = getattr(torch.nn, kind)(5, 6, num_layers=layers, bidirectional=bidirectional,
                                      batch_first=batch_first, **kw).eval()
-    x = torch.randn(2, 4, 5) if batch_first else torch.randn(4, 2, 5)
+    x = torch.randn(batch, 4, 5) if batch_first else torch.randn(4, batch, 5)
     path = tmp_path / f"{kind.lower()}.onnx"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if dynamo:
-            torch.onnx.export(module, (x,), dynamo=True).save(str(path))
+            axes = {0: torch.export.Dim("B"), 1: torch.export.Dim("T")} if batch_first else \
+                {0: torch.export.Dim("T"), 1: torch.export.Dim("B")}
+            torch.onnx.export(module, (x,), dynamo=True, dynamic_shapes=(axes,) if dynamic else None).save(str(path))
         else:
             torch.onnx.export(module, (x,), str(path), dynamo=False, input_names=["x"],
                               dynamic_axes={"x": {0: "a", 1: "b"}})
@@ -88,6 +90,49 @@ def test_torch_dynamo_export(tmp_path, kind):
     expected = sess.run(None, {sess.get_inputs()[0].name: x})[0]
     _, out = _ours(path, x)
     _close(out.output, expected)
+
+
+@pytest.mark.parametrize("kind,bidirectional,batch_first", [("LSTM", False, True), ("GRU", True, False),
+                                                            ("LSTM", True, False)])
+def test_torch_dynamo_export_of_a_batch_of_one(tmp_path, kind, bidirectional, batch_first):
+    """A static dynamo export at batch 1 reshapes between layers to [T, 1, D*H] with the numbers written out:
+    the 1 is the batch axis, not a new one (the file's own shapes say so); it used to be refused."""
+    path, module = _export(tmp_path, kind, 3, bidirectional, batch_first, dynamo=True, batch=1)
+    x = np.random.default_rng(3).standard_normal((1, 4, 5)).astype(np.float32)
+    sess = _session(path)
+    expected = sess.run(None, {sess.get_inputs()[0].name: x if batch_first else x.transpose(1, 0, 2)})[0]
+    model, out = _ours(path, x)
+    assert model.spec.blocks[0].num_layers == 3 and not model.provenance.get("notes")
+    _close(out.output, expected if batch_first else expected.transpose(1, 0, 2))
+
+
+@pytest.mark.parametrize("kind,bidirectional,batch_first", [("LSTM", True, True), ("GRU", False, True)])
+def test_torch_dynamo_export_with_dynamic_axes(tmp_path, kind, bidirectional, batch_first):
+    """With dynamic T and B the exporter computes each Reshape's target from Shape ops; the file itself runs in
+    onnxruntime at other shapes than the export's, and so does the converted model, without a note about the
+    shape arithmetic (Mul) being unserved."""
+    path, module = _export(tmp_path, kind, 3, bidirectional, batch_first, dynamo=True, dynamic=True)
+    model = convert(path, format="onnx")
+    assert model.spec.blocks[0].num_layers == 3 and not model.provenance.get("notes")
+    sess = _session(path)
+    fixed = sess.get_inputs()[0].shape  # torch specializes some axes (a GRU's T) even when asked not to
+    fixed = fixed if batch_first else [fixed[1], fixed[0]]
+    for b, t in ((3, 7), (1, 2)):
+        b, t = (n if isinstance(n, int) else want for n, want in zip(fixed[:2], (b, t)))
+        x = np.random.default_rng(b).standard_normal((b, t, 5)).astype(np.float32)
+        feed = x if batch_first else x.transpose(1, 0, 2)
+        expected = sess.run(None, {sess.get_inputs()[0].name: feed})[0]
+        with torch.no_grad():
+            reference = module(torch.from_numpy(feed))[0].numpy()
+        got = ReferenceEngine(model, dtype=np.float64).forward(x.astype(np.float64)).output
+        _close(got, expected if batch_first else expected.transpose(1, 0, 2))
+        _close(got, reference if batch_first else reference.transpose(1, 0, 2))
+
+
+def test_an_unrolled_recurrence_says_how_to_export_a_node(tmp_path):
+    path, _ = _export(tmp_path, "RNN", 1, False, True, dynamo=True)
+    with pytest.raises(ConversionError, match=r"no LSTM, GRU or RNN node .*unrolled.*dynamo=False"):
+        convert(path, format="onnx")
 
 
 # ---- (2) hand-built nodes, every attribute and variant -------------------------------------------------------------
@@ -382,6 +427,45 @@ def test_bidirectional_output_reshaped_wrongly_is_not_a_stack(tmp_path):
     path = _save(tmp_path, nodes, a + b + [shape], [_f("X", ["T", "N", 4])], [_f("y2")])
     with pytest.raises(ConversionError, match="reads the output of 'LSTM_0', but not as a plain layer stack"):
         load_onnx(path)
+
+
+def _shape_computed_stack(tmp_path, order):
+    """Two LSTM nodes joined as the dynamo exporter joins them with dynamic axes: Transpose, then Reshape to a
+    target built from Shape of the transposed Y ([T, B, D, H]): its entries ``order`` (indices into that shape;
+    a pair is multiplied)."""
+    a = _weights("a", "LSTM", 4, 3, d=2)
+    b = _weights("b", "LSTM", 6, 3, seed=1)
+    consts = [numpy_helper.from_array(np.array([k], np.int64), f"k{k}") for k in range(5)]
+    nodes = [helper.make_node("LSTM", ["X", "aW", "aR", "aB"], ["y1"], hidden_size=3, direction="bidirectional"),
+             helper.make_node("Transpose", ["y1"], ["y1t"], perm=[0, 2, 1, 3]),
+             helper.make_node("Shape", ["y1t"], ["s"])]
+    parts = []
+    for j, entry in enumerate(order):
+        picked = []
+        for k in (entry if isinstance(entry, tuple) else (entry,)):
+            nodes.append(helper.make_node("Slice", ["s", f"k{k}", f"k{k + 1}"], [f"e{j}_{k}"]))
+            picked.append(f"e{j}_{k}")
+        if len(picked) == 2:
+            nodes.append(helper.make_node("Mul", picked, [f"e{j}"]))
+        else:
+            nodes.append(helper.make_node("Identity", picked, [f"e{j}"]))
+        parts.append(f"e{j}")
+    nodes += [helper.make_node("Concat", parts, ["target"], axis=0),
+              helper.make_node("Reshape", ["y1t", "target"], ["y1r"]),
+              helper.make_node("LSTM", ["y1r", "bW", "bR", "bB"], ["y2"], hidden_size=3)]
+    return _save(tmp_path, nodes, a + b + consts, [_f("X", ["T", "N", 4])], [_f("y2")])
+
+
+def test_a_reshape_target_computed_from_shapes_is_followed(tmp_path):
+    path = _shape_computed_stack(tmp_path, [0, 1, (2, 3)])
+    x = np.random.default_rng(4).standard_normal((3, 5, 4)).astype(np.float32)
+    sess = _session(path)
+    expected = sess.run(None, {"X": x.transpose(1, 0, 2)})[0]  # [T, 1, B, H]
+    model, out = _ours(path, x)
+    assert sum(blk.num_layers for blk in model.spec.blocks) == 2 and not model.provenance.get("notes")
+    _close(out.output, expected[:, 0].transpose(1, 0, 2))
+    with pytest.raises(ConversionError, match="moves the time or batch axis"):
+        load_onnx(_shape_computed_stack(tmp_path, [1, 0, (2, 3)]))  # T and B swapped: not a stack
 
 
 def test_non_constant_weights_are_refused(tmp_path):
