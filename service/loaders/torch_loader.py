@@ -42,6 +42,13 @@ def load_torch(path: Path, select: str | None = None, cell: str | None = None, *
     notes = [note for module in modules for note in module.notes]
     if tf.checkpoint_key:
         notes.insert(0, "took the state dict from checkpoint" + "".join(f"['{k}']" for k in tf.checkpoint_key))
+    unserved = _unserved_modules(tf, modules)
+    if unserved:
+        # the check against torch rebuilds only the recurrent modules, and output shapes often match the whole
+        # model's, so this note is the one place a user learns the served model is a part
+        notes.append(f"only {' -> '.join(display(m.prefix) for m in modules)} is converted; the file also has "
+                     f"tensors of {', '.join(unserved)}, which rnnserve does not serve: send what the first recurrent "
+                     f"module reads as 'input', and apply the other modules yourself")
     details = {"torch": {"file": tf.kind, "modules": [m.label() for m in modules]}}
     return LoadedSource("torch", layers, [display(m.prefix) for m in modules], notes,
                         runner=_runner(modules, tf), ragged_ok=True, details=details)
@@ -87,6 +94,13 @@ def _select(tf: TensorFile, path: Path, select: str | None, cell: str | None) ->
         raise ConversionError(f"--select '{part}' {what}; recurrent modules in '{path.name}': "
                               f"{_candidates(tf, prefixes)}")
     return chosen
+
+
+def _unserved_modules(tf: TensorFile, modules: list[TorchRNN]) -> list[str]:
+    """The modules (by prefix, '<root>' for top-level tensors) that hold the file's other tensors."""
+    owned = {name for module in modules for name in module.names.values()}
+    others = dict.fromkeys(name.rpartition(".")[0] for name in tf.shapes if name not in owned)
+    return [f"'{display(prefix)}'" for prefix in others]
 
 
 def _candidates(tf: TensorFile, prefixes: list[str]) -> str:

@@ -208,11 +208,32 @@ def test_torchscript_submodule_keeps_relu(tmp_path):
     path = tmp_path / "net.pt"
     torch.jit.save(torch.jit.script(net), str(path))
     model = service.convert(path)
-    assert model.spec.blocks[0].cell == "rnn_relu" and model.provenance["notes"] == []
+    assert model.spec.blocks[0].cell == "rnn_relu"
+    assert model.provenance["notes"] == [  # no relu/tanh assumption: TorchScript records it
+        "only rnn is converted; the file also has tensors of 'proj', which rnnserve does not serve: send what the "
+        "first recurrent module reads as 'input', and apply the other modules yourself"]
     x = np.random.default_rng(10).standard_normal((3, T, I)).astype(np.float32)
     check(service.create_engine(model, "cpu"), net.rnn, x, np.array([T, 1, 2]))
     with pytest.raises(ConversionError, match="--cell rnn_tanh contradicts the TorchScript module 'rnn'"):
         service.convert(path, cell="rnn_tanh")
+
+
+def test_a_state_dict_with_other_modules_says_they_are_not_served(tmp_path):
+    """The check against torch rebuilds only the recurrent module, and here the served output has the whole
+    model's shape: the note is what tells the user the served model is a part of it."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(3, I)
+            self.rnn = make("lstm", 2)
+            self.head = nn.Linear(H, H)
+
+    model = service.convert(save_pt(tmp_path, Net().state_dict()))
+    assert [n for n in model.provenance["notes"] if "not serve" in n] == [
+        "only rnn is converted; the file also has tensors of 'proj', 'head', which rnnserve does not serve: send what "
+        "the first recurrent module reads as 'input', and apply the other modules yourself"]
+    alone = service.convert(save_pt(tmp_path, make("lstm", 2).state_dict()))
+    assert not [n for n in alone.provenance["notes"] if "not serve" in n]
 
 
 def test_comma_select_stacks_modules_in_order(tmp_path):
