@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConversionError
+from .source import what_file_is
 
 RECURRENT = ("LSTM", "GRU", "SimpleRNN", "CuDNNLSTM", "CuDNNGRU")
 # Layers that pass a sequence through unchanged at inference time.
@@ -113,6 +114,9 @@ def read_keras_file(path: Path) -> KerasFile:
                                   f"truncated or corrupt: save it again") from exc
         finally:
             h5.close()
+    other = what_file_is(path)
+    if other is not None:
+        raise ConversionError(f"'{path.name}' is not a Keras file but {other[1]}; convert it with --format {other[0]}")
     raise ConversionError(
         f"'{path.name}' is neither a .keras archive (zip) nor an HDF5 file; the file may be truncated or corrupt. "
         f"Save the model with model.save('model.keras') or model.save('model.h5')"

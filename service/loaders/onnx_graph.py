@@ -17,7 +17,7 @@ import onnx
 from onnx import AttributeProto, NodeProto, TensorProto, helper, numpy_helper
 
 from ..errors import ConversionError
-from .source import sniff_format
+from .source import what_file_is
 
 RECURRENT_OPS = ("LSTM", "GRU", "RNN")
 # Ops that move or relabel data without changing values.
@@ -34,11 +34,10 @@ def read_model(path: Path) -> onnx.ModelProto:
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises DecodeError and friends
-        other = sniff_format(path)
-        if other is not None:
+        other = what_file_is(path)
+        if other is not None and other[0] != "onnx":
             raise ConversionError(
-                f"'{path.name}' is not an ONNX model but a {'zip archive' if other == 'torch' else 'HDF5 file'} "
-                f"(a {'PyTorch' if other == 'torch' else 'Keras'} save?); convert it with --format {other}"
+                f"'{path.name}' is not an ONNX model but {other[1]}; convert it with --format {other[0]}"
             ) from exc
         raise ConversionError(
             f"'{path.name}' is not a readable ONNX model: the file is truncated or corrupt "

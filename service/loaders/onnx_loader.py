@@ -82,7 +82,12 @@ def _node(chain: list[NodeProto], name: str, index: GraphIndex) -> NodeProto:
 
 
 def _select(index: GraphIndex, candidates: list[NodeProto], select: str) -> list[NodeProto]:
-    wanted = list(dict.fromkeys(s.strip() for s in select.split(",") if s.strip()))
+    named = [s.strip() for s in select.split(",") if s.strip()]
+    twice = sorted({s for s in named if named.count(s) > 1})
+    if twice:  # as the other loaders: a node stacked on itself is a typo, and a stored model holds each layer once
+        raise ConversionError(f"--select names {', '.join(repr(s) for s in twice)} more than once; name each "
+                              f"recurrent node once, in the order the model stacks them")
+    wanted = named
     available = ", ".join(f"{index.name(n)} ({n.op_type})" for n in candidates)
     hint = " (unnamed nodes are called <op>_<k>, k counting that op type in graph order)" if index.unnamed else ""
     if not wanted:

@@ -38,3 +38,37 @@ def sniff_format(path: Path) -> str | None:
     if head.startswith(b"PK"):
         return "torch"
     return None
+
+
+def what_file_is(path: Path) -> tuple[str, str] | None:
+    """(format, description) of a file that the loader it was given cannot read, from its content: a .keras
+    archive, a PyTorch zip, HDF5, safetensors or ONNX; None when it is none of them. For error messages only
+    (it may parse the whole file)."""
+    import json
+    import struct
+    import zipfile
+
+    try:
+        with path.open("rb") as f:
+            head = f.read(9)
+        if head.startswith(b"\x89HDF"):
+            return "keras", "an HDF5 file (a Keras .h5 save)"
+        if head.startswith(b"PK"):
+            with zipfile.ZipFile(path) as zf:
+                names = set(zf.namelist())
+            if {"config.json", "model.weights.h5"} <= names:
+                return "keras", "a Keras .keras archive"
+            return "torch", "a zip archive (a PyTorch save)"
+        if len(head) == 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] < path.stat().st_size:
+            with path.open("rb") as f:
+                f.seek(8)
+                json.loads(f.read(struct.unpack("<Q", head[:8])[0]))
+            return "torch", "a safetensors file"
+        import onnx
+
+        model = onnx.load(str(path), load_external_data=False)
+        if model.HasField("graph") and model.graph.node:
+            return "onnx", "an ONNX model"
+    except Exception:  # noqa: BLE001 - whatever else the file is, it is not one of these
+        return None
+    return None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import zipfile
 import warnings
 
 import numpy as np
@@ -415,6 +416,8 @@ def test_selection_errors(tmp_path):
     with pytest.raises(ConversionError, match="no node named 'LSTM_1'"):
         load_onnx(path, select="LSTM_1")
     assert load_onnx(path, select="side").layers[0].cell == "gru"
+    with pytest.raises(ConversionError, match="names 'side' more than once"):
+        load_onnx(path, select="side,side")
 
 
 def test_bidirectional_output_reshaped_wrongly_is_not_a_stack(tmp_path):
@@ -585,3 +588,21 @@ def test_keras_options_and_other_formats_are_named(tmp_path):
     torch.save(torch.nn.LSTM(3, 4).state_dict(), saved)
     with pytest.raises(ConversionError, match="not an ONNX model but a zip archive .*--format torch"):
         load_onnx(saved)
+    # each loader names what a file of another format is, and the --format that reads it
+    import safetensors.numpy
+    from service.loaders.keras_files import read_keras_file
+
+    keras_zip = tmp_path / "k.onnx"
+    with zipfile.ZipFile(keras_zip, "w") as zf:
+        zf.writestr("config.json", "{}")
+        zf.writestr("model.weights.h5", b"")
+    with pytest.raises(ConversionError, match="not an ONNX model but a Keras .keras archive; .*--format keras"):
+        load_onnx(keras_zip)
+    tensors = tmp_path / "w.safetensors"
+    safetensors.numpy.save_file({"weight_ih_l0": np.zeros((16, 3), np.float32)}, str(tensors))
+    with pytest.raises(ConversionError, match="not an ONNX model but a safetensors file; .*--format torch"):
+        load_onnx(tensors)
+    with pytest.raises(ConversionError, match="not a Keras file but an ONNX model; .*--format onnx"):
+        read_keras_file(path)
+    with pytest.raises(ConversionError, match="not a Keras file but a safetensors file; .*--format torch"):
+        read_keras_file(tensors)
