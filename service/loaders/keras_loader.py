@@ -69,11 +69,39 @@ def load_keras(path: Path, select: str | None = None, cell: str | None = None, *
         _note_weights_only(kfile, chosen, cell, notes)
     layers = [to_recurrent_layer(layer, kfile.keras3, default, cell) for layer in chosen]
     runner = keras_runner(path, kfile, chosen, layers)
+    tolerance = _reduced_precision(chosen, notes)
     details = {"keras_file": kfile.kind}
     if kfile.keras_version:
         details["keras_version"] = kfile.keras_version
     return LoadedSource("keras", layers, [layer.name for layer in chosen], notes, runner, ragged_ok=True,
-                        details=details, unchecked_reason=keras_missing() if runner is None else "")
+                        details=details, unchecked_reason=keras_missing() if runner is None else "",
+                        check_tolerance=tolerance)
+
+
+# Keras dtype policies that compute in less than float32, and the check's (rtol, atol) for them
+_REDUCED = {"float16": (1e-2, 1e-2), "bfloat16": (5e-2, 5e-2)}
+
+
+def _reduced_precision(chosen: list[KerasLayer], notes: list[str]) -> tuple[float, float] | None:
+    """The check's tolerance where a selected layer computes in float16 or bfloat16 (a mixed-precision model),
+    with a note; None for float32 layers. The weights convert exactly either way; only Keras's own outputs
+    carry the rounding, so a float32 check would fail on a correct conversion."""
+    found = {}
+    for layer in chosen:
+        for cfg in layer.configs or []:
+            policy = (cfg or {}).get("dtype")
+            name = policy.get("config", {}).get("name") if isinstance(policy, dict) else policy
+            compute = str(name or "").removeprefix("mixed_")
+            if compute in _REDUCED:
+                found.setdefault(compute, (layer.name, name))
+    if not found:
+        return None
+    compute, (layer, policy) = next(iter(found.items()))
+    rtol, atol = _REDUCED[compute]
+    notes.append(f"layer '{layer}' computes in {compute} in Keras (dtype policy '{policy}'); rnnserve serves it in "
+                 f"float32 from the same weights, so outputs differ from Keras's by {compute} rounding (checked "
+                 f"within {atol:g} + {rtol:g}*|x|)")
+    return rtol, atol
 
 
 MASK_OPS = frozenset({"NotEqual", "Any"})

@@ -26,6 +26,8 @@ class LoadedSource:
     ragged_ok: bool = True               # whether ``runner`` honours per-sequence lengths
     details: dict[str, Any] = field(default_factory=dict)
     unchecked_reason: str = ""           # why ``runner`` is None, in words that say what to install
+    # (rtol, atol) of the check where the source computes in less than float32 (Keras mixed precision)
+    check_tolerance: tuple[float, float] | None = None
 
 
 def sniff_format(path: Path) -> str | None:

@@ -53,13 +53,17 @@ def verify_against_source(model: PackedModel, loaded: LoadedSource) -> dict[str,
             f"the source model's output has shape {expected.shape} but the converted model's is {got.shape}"
         )
     diff = float(np.max(np.abs(got - expected)))
-    bound = ATOL + RTOL * np.abs(expected)
+    rtol, atol = loaded.check_tolerance or (RTOL, ATOL)
+    bound = atol + rtol * np.abs(expected)
     if not np.all(np.abs(got - expected) <= bound):
         raise VerificationError(
             f"converted model does not reproduce the {loaded.format} model: max abs difference {diff:.3g} "
-            f"(tolerance {ATOL:g} + {RTOL:g}*|x|). Check --cell and --select; if the file is right, report this."
+            f"(tolerance {atol:g} + {rtol:g}*|x|). Check --cell and --select; if the file is right, report this."
         )
-    return {"checked": True, "max_abs_diff": diff, "probe": {"batch": 3, "time": 7, "lengths": lengths.tolist()}}
+    record = {"checked": True, "max_abs_diff": diff, "probe": {"batch": 3, "time": 7, "lengths": lengths.tolist()}}
+    if loaded.check_tolerance:
+        record["tolerance"] = {"rtol": rtol, "atol": atol}
+    return record
 
 
 def storage_difference(model: PackedModel, dtype: str) -> float:

@@ -115,6 +115,22 @@ def test_unchecked_conversion_says_what_to_install(built, tmp_path, monkeypatch)
     assert "none of its backends" in reason and "rnnserve[keras,torch]" in reason
 
 
+def test_a_mixed_precision_layer_is_checked_within_float16_rounding(tmp_path):
+    """A mixed_float16 layer's weights convert exactly, but Keras computes it in float16: the check allows
+    float16's rounding (it used to refuse the conversion as not reproducing Keras) and the note says so."""
+    model = keras.Sequential([keras.Input((None, I)), L.LSTM(5, return_sequences=True, dtype="mixed_float16")])
+    randomize(model)
+    packed = convert(save(model, tmp_path, "keras"))
+    verification = packed.provenance["verification"]
+    assert verification["checked"] and verification["tolerance"] == {"rtol": 1e-2, "atol": 1e-2}
+    assert any("computes in float16" in n and "mixed_float16" in n for n in packed.provenance["notes"])
+    exact = keras.Sequential([keras.Input((None, I)), L.LSTM(5, return_sequences=True)])
+    exact.set_weights(model.get_weights())  # the same weights computed in float32
+    x = batch(lengths=[T] * B)
+    close(ours(packed, x), kout(exact, x))
+    np.testing.assert_allclose(ours(packed, x), kout(model, x), rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("reset_after", [True, False])
 @pytest.mark.parametrize("wrap", [False, True])
 def test_gru_without_bias(tmp_path, reset_after, wrap):
