@@ -59,6 +59,7 @@ class KerasLayer:
     weights: list[dict[str, np.ndarray]] = field(default_factory=list)
     upstream: str | None = None
     where: str = ""
+    holds_weights: bool = False  # weights-only files: the layer stores weights (read only for recurrent layers)
 
     @property
     def is_recurrent(self) -> bool:
@@ -214,6 +215,15 @@ def _keras3_weights(group, bidirectional: bool, name: str) -> tuple[list[dict[st
 _CELL_CLASSES = {"lstm_cell": "LSTM", "gru_cell": "GRU", "simple_rnn_cell": "SimpleRNN"}
 
 
+def _has_arrays(group) -> bool:
+    """Whether an HDF5 group holds a dataset anywhere below it."""
+    import h5py
+
+    found = []
+    group.visititems(lambda _, item: found.append(True) if isinstance(item, h5py.Dataset) else None)
+    return bool(found)
+
+
 def _read_keras3_weights(h5, fname: str) -> KerasFile:
     """Keras 3 ``save_weights`` file: no config, layer order known only within a class."""
     layers = []
@@ -224,7 +234,7 @@ def _read_keras3_weights(h5, fname: str) -> KerasFile:
         if "cell" in inner:
             cell_name = _text(inner["cell"]["vars"].attrs.get("name", "")) if "vars" in inner["cell"] else ""
             cls = _CELL_CLASSES.get(re.sub(r"_\d+$", "", cell_name), "")
-        layer = KerasLayer(name, cls or "?", bidirectional=bidir, where=group.name)
+        layer = KerasLayer(name, cls or "?", bidirectional=bidir, where=group.name, holds_weights=_has_arrays(group))
         if "cell" in inner:
             layer.weights, layer.where = _keras3_weights(group, bidir, name)
             if not cls:
@@ -268,6 +278,7 @@ def _read_h5(h5, fname: str) -> KerasFile:
         if layer.name not in root:
             continue
         group = root[layer.name]
+        layer.holds_weights = _has_arrays(group)
         weights = _legacy_weights(group, layer.name)
         if not weights or all("recurrent_kernel" not in w for w in weights):
             continue

@@ -280,3 +280,9 @@ def _note_weights_only(kfile: KerasFile, chosen: list[KerasLayer], cell: str | N
         descs.append(desc)
     notes.append("weights-only file (no model config): layer types inferred from weight shapes: "
                  + "; ".join(descs) + "; go_backwards=False assumed for every layer")
+    names = {layer.name for layer in chosen}
+    others = [f"'{layer.name}'" for layer in kfile.layers if layer.name not in names and layer.holds_weights]
+    if others:
+        notes.append(f"only the recurrent stack {' -> '.join(layer.name for layer in chosen)} is converted; the file "
+                     f"also has weights of {', '.join(others)}, which rnnserve does not serve: send what the first "
+                     f"recurrent layer reads as 'input', and apply the other layers yourself")

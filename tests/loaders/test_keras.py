@@ -131,6 +131,17 @@ def test_a_mixed_precision_layer_is_checked_within_float16_rounding(tmp_path):
     np.testing.assert_allclose(ours(packed, x), kout(model, x), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("fmt", ["weights", "h5"])
+def test_weights_of_other_layers_are_noted(tmp_path, fmt):
+    """A weights-only file has no config to list the layers around the stack; the layers that store weights
+    (Dense here, not Masking or Dropout) are still named as not served."""
+    model = keras.Sequential([keras.Input((None, I)), L.Masking(), L.LSTM(5, return_sequences=True),
+                              L.Dropout(0.1), L.Dense(2, name="head")])
+    notes = convert(save(model, tmp_path, fmt)).provenance["notes"]
+    unserved = [n for n in notes if "not serve" in n]
+    assert len(unserved) == 1 and "'head'" in unserved[0] and "dropout" not in unserved[0].lower()
+
+
 @pytest.mark.parametrize("reset_after", [True, False])
 @pytest.mark.parametrize("wrap", [False, True])
 def test_gru_without_bias(tmp_path, reset_after, wrap):
