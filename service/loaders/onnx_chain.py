@@ -162,6 +162,7 @@ def follow_labels(index: GraphIndex, src: NodeProto, ops: list[NodeProto]) -> li
         what = f"{node.op_type} '{index.name(node)}'"
         op = node.op_type
         if op in ("Identity", "Dropout", "Cast"):
+            value = node.output[0]  # a later Reshape may measure this name's shape
             continue
         if op == "Transpose":
             perm = index.attr(node, "perm") or list(range(len(labels)))[::-1]

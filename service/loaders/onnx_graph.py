@@ -80,6 +80,7 @@ class GraphIndex:
         self.consumers: dict[str, list[NodeProto]] = {}
         self._const_cache: dict[str, np.ndarray | None] = {}
         self.static_dims: dict[str, list[int | None]] = {}  # value -> its dims where the file states them
+        self._input_values: set[str] | None = None
         self._walk(model.graph)
         self.graph_inputs -= set(self.initializers)
         self._name_nodes()
@@ -223,6 +224,17 @@ class GraphIndex:
             return np.asarray(ReferenceEvaluator(model).run(None, {})[k])
         except Exception:
             return None
+
+    def input_values(self) -> set[str]:
+        """Every value that graph inputs' *values* flow into (Shape cuts the flow), in one pass over the nodes
+        in graph order (ONNX stores them topologically sorted)."""
+        if self._input_values is None:
+            flowing = set(self.graph_inputs)
+            for node in self.nodes:
+                if node.op_type != "Shape" and any(i in flowing for i in node.input):
+                    flowing.update(o for o in node.output if o)
+            self._input_values = flowing
+        return self._input_values
 
     def depends_on_input(self, name: str, _seen: set[str] | None = None) -> str | None:
         """The first graph input whose *values* flow into ``name`` (Shape cuts the flow), or None."""

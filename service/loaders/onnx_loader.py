@@ -42,8 +42,8 @@ def load_onnx(path: Path, select: str | None = None, cell: str | None = None, **
         ops = sorted({n.op_type for n in index.nodes})
         unrolled = "MatMul" in ops and ({"Tanh", "Relu", "Sigmoid"} & set(ops))
         hint = ("; its recurrence looks unrolled into per-step ops, as torch.onnx.export's dynamo exporter (the "
-                "default in current torch, 2.13 here) writes nn.RNN: export with dynamo=False, or convert the PyTorch module's "
-                "state dict instead") if unrolled else ""
+                "default in current torch, 2.13 here) writes nn.RNN: export with dynamo=False, or convert the "
+                "PyTorch module's state dict instead") if unrolled else ""
         raise ConversionError(f"'{path.name}' has no LSTM, GRU or RNN node (its ops: {', '.join(ops[:12])}){hint}")
     chosen = _select(index, candidates, select) if select else candidates
     chain = order_chain(index, chosen, find_edges(index, chosen))
@@ -55,8 +55,9 @@ def load_onnx(path: Path, select: str | None = None, cell: str | None = None, **
                 raise ConversionError(f"--cell {cell} does not match node '{layer.name}', an ONNX "
                                       f"{_node(chain, layer.name, index).op_type} ({layer.cell})")
     # ops that see only shapes (an exporter's arithmetic on Shape) compute nothing a client would have to apply
+    flowing = index.input_values()
     others = sorted({n.op_type for n in index.nodes if n.op_type not in _PLUMBING and n.op_type not in
-                     ("LSTM", "GRU", "RNN") and any(index.depends_on_input(o) for o in n.output)})
+                     ("LSTM", "GRU", "RNN") and any(o in flowing for o in n.output)})
     if others or len(candidates) > len(chain):
         notes.append(f"only the recurrent stack {' -> '.join(index.name(n) for n in chain)} is converted; the graph "
                      f"also has {', '.join(others) or 'other recurrent nodes'}, which rnnserve does not serve")
