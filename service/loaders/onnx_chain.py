@@ -200,7 +200,7 @@ def follow_labels(index: GraphIndex, src: NodeProto, ops: list[NodeProto]) -> li
 
 def _static_time_batch(index: GraphIndex, src: NodeProto, layout: int) -> dict[str, int]:
     """T and B of ``src``'s Y where the file fixes them (an export without dynamic axes)."""
-    dims = index.static_dims.get(src.output[0])
+    dims = index.dims(src.output[0])
     if not dims or len(dims) != 4:
         return {}
     t, b = (dims[1], dims[0]) if layout == 1 else (dims[0], dims[2])

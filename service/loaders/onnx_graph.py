@@ -81,6 +81,7 @@ class GraphIndex:
         self._const_cache: dict[str, np.ndarray | None] = {}
         self.static_dims: dict[str, list[int | None]] = {}  # value -> its dims where the file states them
         self._input_values: set[str] | None = None
+        self._inferred = False
         self._walk(model.graph)
         self.graph_inputs -= set(self.initializers)
         self._name_nodes()
@@ -92,10 +93,7 @@ class GraphIndex:
             self.initializers.setdefault(sparse.values.name, numpy_helper.from_array(
                 numpy_helper.to_array(sparse), sparse.values.name))
         self.graph_inputs.update(i.name for i in graph.input)
-        for info in (*graph.input, *graph.value_info, *graph.output):
-            if info.type.HasField("tensor_type") and info.type.tensor_type.HasField("shape"):
-                self.static_dims.setdefault(info.name, [d.dim_value if d.HasField("dim_value") else None
-                                                        for d in info.type.tensor_type.shape.dim])
+        self._read_dims(graph)
         for node in graph.node:
             self.nodes.append(node)
             for k, out in enumerate(node.output):
@@ -224,6 +222,24 @@ class GraphIndex:
             return np.asarray(ReferenceEvaluator(model).run(None, {})[k])
         except Exception:
             return None
+
+    def dims(self, name: str) -> list[int | None] | None:
+        """``name``'s dims as the file states them or, when it does not, as onnx's shape inference finds them
+        (run once, on demand: files from other exporters than torch's often carry no value shapes)."""
+        if name not in self.static_dims and not self._inferred:
+            self._inferred = True
+            try:
+                inferred = onnx.shape_inference.infer_shapes(self.model, strict_mode=False)
+            except Exception:  # noqa: BLE001 - inference is a help here; a graph it cannot type stays unknown
+                return None
+            self._read_dims(inferred.graph)
+        return self.static_dims.get(name)
+
+    def _read_dims(self, graph: onnx.GraphProto) -> None:
+        for info in (*graph.input, *graph.value_info, *graph.output):
+            if info.type.HasField("tensor_type") and info.type.tensor_type.HasField("shape"):
+                self.static_dims.setdefault(info.name, [d.dim_value if d.HasField("dim_value") else None
+                                                        for d in info.type.tensor_type.shape.dim])
 
     def input_values(self) -> set[str]:
         """Every value that graph inputs' *values* flow into (Shape cuts the flow), in one pass over the nodes
