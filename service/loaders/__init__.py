@@ -13,7 +13,7 @@ from .. import __version__
 from ..errors import ConversionError, InvalidInput
 from ..repository import PackedModel
 from .layers import RecurrentLayer, assemble
-from .source import LoadedSource, sniff_format
+from .source import LoadedSource, what_file_is
 
 FORMATS = ("torch", "keras", "onnx")
 _EXTENSIONS = {
@@ -28,9 +28,9 @@ def detect_format(path: Path) -> str:
     ext = path.suffix.lower()
     if ext in _EXTENSIONS:
         return _EXTENSIONS[ext]
-    sniffed = sniff_format(path)
+    sniffed = what_file_is(path)
     if sniffed is not None:
-        return sniffed
+        return sniffed[0]
     raise ConversionError(
         f"cannot tell the format of '{path.name}' from its extension '{ext}'; pass --format torch|keras|onnx"
     )

@@ -27,7 +27,7 @@ from ..errors import ConversionError
 from .keras_files import TRANSPARENT, KerasFile, KerasLayer, read_keras_file
 from .keras_mapping import to_recurrent_layer
 from .keras_runner import keras_missing, keras_runner
-from .source import LoadedSource
+from .source import LoadedSource, unserved_note
 
 OPTIONS = ("recurrent_activation",)
 _SUPPORTED = "LSTM, GRU, SimpleRNN, CuDNNLSTM, CuDNNGRU and Bidirectional wrappers of them"
@@ -117,9 +117,7 @@ def _note_what_is_not_served(kfile: KerasFile, chosen: list[KerasLayer], notes: 
     others = [f"{layer.class_name} '{layer.name}'" for layer in kfile.layers
               if layer.name not in names and layer.class_name not in TRANSPARENT | plumbing]
     if others:
-        notes.append(f"only the recurrent stack {' -> '.join(layer.name for layer in chosen)} is converted; the model "
-                     f"also has {', '.join(others)}, which rnnserve does not serve: send what the first recurrent "
-                     f"layer reads as 'input', and apply the other layers yourself")
+        notes.append(unserved_note(_stack(chosen), "model", ", ".join(others), "layer"))
     if masked:
         notes.append("Masking is served as per-sequence lengths: send each sequence's length ('lengths', or ragged "
                      "instances to /v1 predict) rather than masked padding; a masked step inside a sequence is not "
@@ -129,6 +127,10 @@ def _note_what_is_not_served(kfile: KerasFile, chosen: list[KerasLayer], notes: 
     if not last.bidirectional and cfg.get("go_backwards") and cfg.get("return_sequences"):
         notes.append(f"layer '{last.name}' has go_backwards=True: the served 'output' is in the input's time order "
                      f"(step t read steps t..T-1), where Keras returns it reversed; 'output_last' is Keras's last step")
+
+
+def _stack(chosen: list[KerasLayer]) -> str:
+    return "the recurrent stack " + " -> ".join(layer.name for layer in chosen)
 
 
 def _describe(layers: list[KerasLayer]) -> str:
@@ -283,6 +285,4 @@ def _note_weights_only(kfile: KerasFile, chosen: list[KerasLayer], cell: str | N
     names = {layer.name for layer in chosen}
     others = [f"'{layer.name}'" for layer in kfile.layers if layer.name not in names and layer.holds_weights]
     if others:
-        notes.append(f"only the recurrent stack {' -> '.join(layer.name for layer in chosen)} is converted; the file "
-                     f"also has weights of {', '.join(others)}, which rnnserve does not serve: send what the first "
-                     f"recurrent layer reads as 'input', and apply the other layers yourself")
+        notes.append(unserved_note(_stack(chosen), "file", f"weights of {', '.join(others)}", "layer"))

@@ -18,7 +18,7 @@ from ..errors import ConversionError
 from .onnx_chain import find_edges, order_chain, recurrent_nodes
 from .onnx_graph import SHAPE_OPS, GraphIndex, read_model
 from .onnx_nodes import node_to_layer
-from .source import LoadedSource, SourceRunner
+from .source import LoadedSource, SourceRunner, unserved_note
 
 _PLUMBING = set(SHAPE_OPS) | {"Constant", "Shape", "Gather", "Concat", "Expand", "ConstantOfShape", "Slice"}
 _RUNNER_OPSET = 17
@@ -59,8 +59,8 @@ def load_onnx(path: Path, select: str | None = None, cell: str | None = None, **
     others = sorted({n.op_type for n in index.nodes if n.op_type not in _PLUMBING and n.op_type not in
                      ("LSTM", "GRU", "RNN") and any(o in flowing for o in n.output)})
     if others or len(candidates) > len(chain):
-        notes.append(f"only the recurrent stack {' -> '.join(index.name(n) for n in chain)} is converted; the graph "
-                     f"also has {', '.join(others) or 'other recurrent nodes'}, which rnnserve does not serve")
+        notes.append(unserved_note("the recurrent stack " + " -> ".join(index.name(n) for n in chain), "graph",
+                                   ", ".join(others) or "other recurrent nodes"))
     producer = model_producer(index)
     return LoadedSource(
         format="onnx",

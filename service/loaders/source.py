@@ -30,22 +30,10 @@ class LoadedSource:
     check_tolerance: tuple[float, float] | None = None
 
 
-def sniff_format(path: Path) -> str | None:
-    """The format a file's first bytes show: "keras" (HDF5), "torch" (a zip: torch.save or TorchScript; .keras
-    zips have their own extension), else None. Only 8 bytes are read, whatever the file is."""
-    with path.open("rb") as f:
-        head = f.read(8)
-    if head.startswith(b"\x89HDF"):
-        return "keras"
-    if head.startswith(b"PK"):
-        return "torch"
-    return None
-
-
 def what_file_is(path: Path) -> tuple[str, str] | None:
-    """(format, description) of a file that the loader it was given cannot read, from its content: a .keras
-    archive, a PyTorch zip, HDF5, safetensors or ONNX; None when it is none of them. For error messages only
-    (it may parse the whole file)."""
+    """(format, description) of a file from its content: a .keras archive, a PyTorch zip, HDF5, safetensors or
+    ONNX; None when it is none of them. For a file whose extension does not say, and for error messages (it
+    may parse the whole file)."""
     import json
     import struct
     import zipfile
@@ -74,3 +62,11 @@ def what_file_is(path: Path) -> tuple[str, str] | None:
     except Exception:  # noqa: BLE001 - whatever else the file is, it is not one of these
         return None
     return None
+
+
+def unserved_note(stack: str, holder: str, others: str, part: str | None = None) -> str:
+    """The note that the served model is only ``stack`` of the source ``holder`` (model, file, graph), which also
+    has ``others``; ``part`` (layer, module) adds how to use it."""
+    advice = f": send what the first recurrent {part} reads as 'input', and apply the other {part}s yourself" \
+        if part else ""
+    return f"only {stack} is converted; the {holder} also has {others}, which rnnserve does not serve{advice}"

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConversionError
-from .source import LoadedSource, SourceRunner
+from .source import LoadedSource, SourceRunner, unserved_note
 from .torch_files import TensorFile, read_torch_file
 from .torch_modules import ROOT, TorchRNN, describe_module, display, find_modules, normalize_cell
 
@@ -46,9 +46,8 @@ def load_torch(path: Path, select: str | None = None, cell: str | None = None, *
     if unserved:
         # the check against torch rebuilds only the recurrent modules, and output shapes often match the whole
         # model's, so this note is the one place a user learns the served model is a part
-        notes.append(f"only {' -> '.join(display(m.prefix) for m in modules)} is converted; the file also has "
-                     f"tensors of {', '.join(unserved)}, which rnnserve does not serve: send what the first recurrent "
-                     f"module reads as 'input', and apply the other modules yourself")
+        notes.append(unserved_note(" -> ".join(display(m.prefix) for m in modules), "file",
+                                   f"tensors of {', '.join(unserved)}", "module"))
     details = {"torch": {"file": tf.kind, "modules": [m.label() for m in modules]}}
     return LoadedSource("torch", layers, [display(m.prefix) for m in modules], notes,
                         runner=_runner(modules, tf), ragged_ok=True, details=details)
