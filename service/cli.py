@@ -41,6 +41,9 @@ def _convert(args: argparse.Namespace) -> int:
     if ver.get("checked"):
         print(f"verified against {prov['format']}: max abs difference {ver['max_abs_diff']:.3g} "
               f"on a probe batch (lengths {ver['probe']['lengths']})")
+        whole = ver.get("whole_file")
+        if whole is not None:
+            print(_whole_file_line(whole))
     else:
         print(f"not verified: {ver.get('reason', 'verification disabled')}")
     if stored_diff is not None:
@@ -48,6 +51,16 @@ def _convert(args: argparse.Namespace) -> int:
               f"(rounded weights)")
     print(f"wrote {out} ({model.parameter_count} parameters, {args.dtype})")
     return 0
+
+
+def _whole_file_line(whole: dict) -> str:
+    """What running the whole ONNX file found (see service.loaders.onnx_file_check)."""
+    if not whole.get("ran"):
+        return f"the whole file was not run: {whole.get('reason', '')}; its recurrent nodes were checked on their own"
+    if whole.get("compared"):
+        return (f"the whole file ran in onnxruntime and its output(s) {', '.join(repr(n) for n in whole['compared'])} match the "
+                f"converted model")
+    return "the whole file ran in onnxruntime; its outputs come from more than the served stack, so they were not compared"
 
 
 def _inspect(args: argparse.Namespace) -> int:

@@ -16,9 +16,11 @@ from onnx import NodeProto, TensorProto, helper, numpy_helper
 
 from ..errors import ConversionError
 from .onnx_chain import find_edges, order_chain, recurrent_nodes
+from .onnx_file_check import whole_file_check
 from .onnx_graph import SHAPE_OPS, GraphIndex, read_model
 from .onnx_nodes import node_to_layer
 from .source import LoadedSource, SourceRunner, unserved_note
+from .verify import ATOL, RTOL
 
 _PLUMBING = set(SHAPE_OPS) | {"Constant", "Shape", "Gather", "Concat", "Expand", "ConstantOfShape", "Slice"}
 _RUNNER_OPSET = 17
@@ -58,7 +60,8 @@ def load_onnx(path: Path, select: str | None = None, cell: str | None = None, **
     flowing = index.input_values()
     others = sorted({n.op_type for n in index.nodes if n.op_type not in _PLUMBING and n.op_type not in
                      ("LSTM", "GRU", "RNN") and any(o in flowing for o in n.output)})
-    if others or len(candidates) > len(chain):
+    stack_is_graph = not others and len(candidates) == len(chain)
+    if not stack_is_graph:
         notes.append(unserved_note("the recurrent stack " + " -> ".join(index.name(n) for n in chain), "graph",
                                    ", ".join(others) or "other recurrent nodes"))
     producer = model_producer(index)
@@ -67,8 +70,10 @@ def load_onnx(path: Path, select: str | None = None, cell: str | None = None, **
         layers=layers,
         selection=[index.name(n) for n in chain],
         notes=notes,
-        runner=_make_runner(index, chain),
+        runner=(runner := _make_runner(index, chain)),
         ragged_ok=True,
+        file_check=None if runner is None else whole_file_check(
+            path, index, chain, stack_is_graph, layers[0].input_size, len(layers[-1].directions), RTOL, ATOL),
         details={"onnx_opset": index.opset(), **({"onnx_producer": producer} if producer else {})},
     )
 

@@ -28,6 +28,8 @@ class LoadedSource:
     unchecked_reason: str = ""           # why ``runner`` is None, in words that say what to install
     # (rtol, atol) of the check where the source computes in less than float32 (Keras mixed precision)
     check_tolerance: tuple[float, float] | None = None
+    # check(ours) -> record: the whole source file run in its runtime (ONNX; see .onnx_file_check), after ``runner``'s
+    file_check: Callable[[Callable[[np.ndarray], tuple]], dict[str, Any]] | None = None
 
 
 def what_file_is(path: Path) -> tuple[str, str] | None:

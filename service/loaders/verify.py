@@ -1,6 +1,7 @@
 """Run the source framework and the converted model on one probe input and compare."""
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -63,7 +64,19 @@ def verify_against_source(model: PackedModel, loaded: LoadedSource) -> dict[str,
     record = {"checked": True, "max_abs_diff": diff, "probe": {"batch": 3, "time": 7, "lengths": lengths.tolist()}}
     if loaded.check_tolerance:
         record["tolerance"] = {"rtol": rtol, "atol": atol}
+    if loaded.file_check is not None:
+        record["whole_file"] = loaded.file_check(partial(_final_states, ReferenceEngine(model, dtype=np.float64)))
     return record
+
+
+def _final_states(engine: Any, x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """(output [B, T, F], h [D, B, Ho], c [D, B, H] or None) of ``engine`` on ``x`` at full length: the states of
+    the last block's last layer, what an ONNX node's Y_h and Y_c hold."""
+    y, states = engine.forward_blocks(x)
+    d = engine.spec.blocks[-1].directions
+    h, c = states[-1]  # [B, L*D, Ho]
+    return (np.asarray(y), np.asarray(h)[:, -d:].transpose(1, 0, 2),
+            None if c is None else np.asarray(c)[:, -d:].transpose(1, 0, 2))
 
 
 def storage_difference(model: PackedModel, dtype: str) -> float:

@@ -610,3 +610,69 @@ def test_keras_options_and_other_formats_are_named(tmp_path):
         read_keras_file(path)
     with pytest.raises(ConversionError, match="not a Keras file but a safetensors file; .*--format torch"):
         read_keras_file(tensors)
+
+
+# ---- (5) the whole file runs in onnxruntime, beside its rebuilt recurrent nodes --------------------------------------
+
+def test_torch_dynamo_export_of_proj_size_is_checked_on_the_whole_file(tmp_path):
+    """torch 2.13's dynamo exporter writes an nn.LSTM with proj_size as a plain LSTM of hidden size proj_size (no
+    projection) with a cell state of the wrong width: its nodes alone run, the file does not. Whatever the exporter
+    writes, the conversion either serves torch's own numbers or is refused, never a different model "verified"."""
+    from service.errors import VerificationError
+
+    path, module = _export(tmp_path, "LSTM", 1, False, True, dynamo=True, proj_size=3)
+    x = np.random.default_rng(2).standard_normal((2, 4, 5)).astype(np.float32)
+    try:
+        _session(path).run(None, {_session(path).get_inputs()[0].name: x})
+        runs = True
+    except Exception:  # noqa: BLE001 - onnxruntime refuses the file this torch writes
+        runs = False
+    if runs:
+        model, got = _ours(path, x)
+        with torch.no_grad():
+            _close(got.output, module(torch.from_numpy(x))[0].numpy())
+    else:
+        with pytest.raises(VerificationError, match="onnxruntime cannot run the file 'lstm.onnx' itself .*initial_c"
+                                                    ".*proj_size.*--no-verify"):
+            convert(path)
+        model = convert(path, verify=False)  # the escape the message names
+        assert "verification" not in model.provenance
+
+
+def test_whole_file_outputs_are_compared_with_the_converted_model(tmp_path):
+    w, r, b = _weights("", "GRU", 4, 3)
+    plain = [helper.make_node("GRU", ["X", "W", "R", "B"], ["y", "yh"], hidden_size=3),
+             helper.make_node("Squeeze", ["y", "axes"], ["out"])]
+    axes = numpy_helper.from_array(np.array([1], np.int64), "axes")
+    path = _save(tmp_path, plain, [w, r, b, axes], [_f("X", ["T", "N", 4])], [_f("out"), _f("yh")])
+    whole = convert(path).provenance["verification"]["whole_file"]
+    assert whole == {"ran": True, "compared": ["out", "yh"]}
+
+    # the input rounded to float16 on its way to the node: the nodes alone match, the file's own outputs do not
+    rounded = [helper.make_node("Cast", ["X"], ["x16"], to=TensorProto.FLOAT16),
+               helper.make_node("Cast", ["x16"], ["x32"], to=TensorProto.FLOAT),
+               helper.make_node("GRU", ["x32", "W", "R", "B"], ["y"], hidden_size=3),
+               helper.make_node("Squeeze", ["y", "axes"], ["out"])]
+    path = _save(tmp_path, rounded, [w, r, b, axes], [_f("X", ["T", "N", 4])], [_f("out")], name="r.onnx")
+    from service.errors import VerificationError
+
+    with pytest.raises(VerificationError, match="onnxruntime's output 'out' of the whole file 'r.onnx' does not "
+                                                "match the converted model"):
+        convert(path)
+
+    # a head after the stack: the file has to run, and its outputs are not the served model's
+    head = numpy_helper.from_array(np.ones((3, 2), np.float32), "head")
+    with_head = plain[:2] + [helper.make_node("MatMul", ["out", "head"], ["logits"])]
+    path = _save(tmp_path, with_head, [w, r, b, axes, head], [_f("X", ["T", "N", 4])], [_f("logits")],
+                 name="h.onnx")
+    assert convert(path).provenance["verification"]["whole_file"] == {"ran": True, "compared": []}
+
+
+def test_a_file_onnxruntime_has_no_kernel_for_is_checked_on_its_nodes(tmp_path):
+    """onnxruntime runs no recurrent node with layout=1: valid ONNX it lacks, so the rebuilt nodes carry the check."""
+    w, r, b = _weights("", "LSTM", 4, 3)
+    node = helper.make_node("LSTM", ["X", "W", "R", "B"], ["y"], hidden_size=3, layout=1)
+    path = _save(tmp_path, [node], [w, r, b], [_f("X", ["N", "T", 4])], [_f("y")])
+    ver = convert(path).provenance["verification"]
+    assert ver["checked"] and ver["whole_file"]["ran"] is False
+    assert "layout" in ver["whole_file"]["reason"]

@@ -1,0 +1,210 @@
+"""Running the whole ONNX file in onnxruntime, beside the check of its rebuilt recurrent nodes.
+
+The loader's runner (:func:`.onnx_loader.chain_model`) checks the weights and the gate
+mapping on the recurrent nodes rebuilt on their own. That cannot see a file that is wrong
+around them: torch's dynamo exporter writes an ``nn.LSTM`` with ``proj_size`` as a plain
+LSTM of hidden size proj_size, with initial states of the wrong width, and drops the
+projection (torch 2.13). onnxruntime refuses to run such a file, yet its nodes alone ran
+and "verified". So the file itself must run too:
+
+* onnxruntime loads the file and runs it on a probe (its inputs fed from their declared
+  types and shapes). A file it cannot load or run is refused: the source model does not run
+  in its own runtime, so nothing can be checked against it.
+* Where the served stack is the whole graph (a float input reaches the first recurrent node
+  through shape-only ops, and no other op computes on the input's values), each graph output
+  read from the last recurrent node through shape-only ops must equal the converted model's
+  output (or final state, or last step) in one of the layouts exporters write. A file whose
+  graph computes more (an embedding, a head) only has to run: its outputs are not the
+  served model's.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from onnx import NodeProto
+
+from ..errors import VerificationError
+from .onnx_graph import SHAPE_OPS, GraphIndex
+
+# ours(x [B, T, I] float64) -> (output [B, T, F], h of the last block's last layer [D, B, Ho], its c or None)
+OursRunner = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray | None, np.ndarray | None]]
+# Probe sizes for dynamic batch and time axes: unequal, so a layout mistake cannot match by its shape alone.
+_PROBE_B, _PROBE_T = 3, 5
+_FLOATS = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16}
+_INTS = {"tensor(int32)": np.int32, "tensor(int64)": np.int64, "tensor(bool)": np.bool_}
+
+
+def whole_file_check(path: Path, index: GraphIndex, chain: list[NodeProto], stack_is_graph: bool,
+                     input_size: int, directions: int, rtol: float, atol: float) -> Callable[[OursRunner], dict]:
+    """A check to run once the model is converted: ``check(ours)`` returns the provenance record
+    (``{"ran": True, "compared": [output names]}``) or raises VerificationError.
+
+    ``stack_is_graph``: no op outside the recurrent stack computes on the inputs' values (the loader's finding).
+    """
+    def check(ours: OursRunner) -> dict:
+        nonlocal rtol, atol
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 1
+        opts.inter_op_num_threads = 1
+        opts.log_severity_level = 4  # its warnings about the file's shapes say what the error below says
+        try:
+            session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # noqa: BLE001 - any refusal by the runtime is the file's to report
+            if _unsupported(exc):  # valid ONNX that onnxruntime lacks a kernel for (e.g. layout=1 recurrent nodes)
+                return {"ran": False, "reason": f"onnxruntime does not support the file: {_last_line(exc)}"}
+            raise _refused(path, index, "load", exc) from exc
+        x_name = _stack_input(index, chain[0]) if stack_is_graph else None
+        feeds, x = _feeds(session.get_inputs(), index, chain, x_name, input_size)
+        names = [o.name for o in session.get_outputs()]
+        try:
+            outputs = dict(zip(names, session.run(names, feeds)))
+        except Exception as exc:  # noqa: BLE001
+            if _unsupported(exc):
+                return {"ran": False, "reason": f"onnxruntime does not support the file: {_last_line(exc)}"}
+            raise _refused(path, index, "run", exc) from exc
+        record: dict[str, Any] = {"ran": True, "compared": []}
+        if x is None:
+            return record
+        direct = {name: k for name in names if (k := _from_last_node(index, chain[-1], name)) is not None}
+        if not direct:
+            return record
+        forms = _forms(ours, x, directions)
+        if x.dtype == np.float16:  # the file computes in float16
+            rtol, atol = max(rtol, 1e-2), max(atol, 1e-2)
+        for name, k in sorted(direct.items()):
+            got = np.asarray(outputs[name], np.float64)
+            if not any(_close(got, want, rtol, atol) for want in forms[k]):
+                raise VerificationError(
+                    f"onnxruntime's output '{name}' of the whole file '{path.name}' does not match the converted "
+                    f"model on a probe batch (its recurrent nodes, rebuilt on their own, did): the graph around them "
+                    f"changes the result in a way rnnserve does not serve. Check --select; if the file is right, "
+                    f"report this")
+            record["compared"].append(name)
+        return record
+
+    return check
+
+
+def _last_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [""])[-1][:400]
+
+
+def _unsupported(exc: Exception) -> bool:
+    """onnxruntime lacks what the file uses (NOT_IMPLEMENTED, "not supported"), rather than finding it wrong."""
+    text = str(exc)
+    return "NOT_IMPLEMENTED" in text or "not supported" in text.lower()
+
+
+def _refused(path: Path, index: GraphIndex, what: str, exc: Exception) -> VerificationError:
+    first = _last_line(exc)
+    hint = ""
+    producer = index.model.producer_name.lower()
+    if "torch" in producer and "initial_" in first:
+        hint = (" (torch.onnx.export's dynamo exporter writes an nn.LSTM with proj_size wrongly, without its "
+                "projection: convert the PyTorch module's state dict or TorchScript file instead)")
+    return VerificationError(
+        f"onnxruntime cannot {what} the file '{path.name}' itself ({type(exc).__name__}: {first}), so the conversion "
+        f"cannot be checked against it; the file is likely invalid: export it again{hint}. --no-verify converts its "
+        f"recurrent nodes unchecked")
+
+
+def _stack_input(index: GraphIndex, first: NodeProto) -> str | None:
+    """The graph input that reaches the first recurrent node's X through shape-only ops, or None."""
+    name = first.input[0]
+    while name in index.producer:
+        node, _ = index.producer[name]
+        if node.op_type not in SHAPE_OPS or not node.input:
+            return None
+        name = node.input[0]
+    return name if name in index.graph_inputs else None
+
+
+def _from_last_node(index: GraphIndex, last: NodeProto, name: str) -> int | None:
+    """Which output (0 Y, 1 Y_h, 2 Y_c) of ``last`` the graph output ``name`` is, through shape-only ops."""
+    while name in index.producer:
+        node, k = index.producer[name]
+        if node is last:
+            return k
+        if node.op_type not in SHAPE_OPS or not node.input:
+            return None
+        name = node.input[0]
+    return None
+
+
+def _lengths_inputs(index: GraphIndex, chain: list[NodeProto]) -> set[str]:
+    """Graph inputs that reach a recurrent node's sequence_lens through shape-only ops."""
+    found = set()
+    for node in chain:
+        name = node.input[4] if len(node.input) > 4 else ""
+        while name and name in index.producer and index.producer[name][0].op_type in SHAPE_OPS:
+            name = index.producer[name][0].input[0]
+        if name in index.graph_inputs:
+            found.add(name)
+    return found
+
+
+def _feeds(inputs: list, index: GraphIndex, chain: list[NodeProto], x_name: str | None,
+           input_size: int) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """A probe value for every graph input, and the stack's input as fed (None when the stack's input is not one
+    float [*, *, I] graph input). Dims the file leaves open take the stack input's value for the same symbol."""
+    rng = np.random.default_rng(4321)
+    symbols: dict[str, int] = {}
+    x_meta = next((i for i in inputs if i.name == x_name and i.type in _FLOATS and len(i.shape) == 3), None)
+    if x_meta is not None:
+        for dim, default in zip(x_meta.shape, (_PROBE_B, _PROBE_T, input_size)):
+            if not isinstance(dim, int) and dim:
+                symbols.setdefault(dim, default)
+
+    def shape_of(meta, defaults=()) -> list[int]:
+        dims = []
+        for j, dim in enumerate(meta.shape):
+            if isinstance(dim, int) and dim > 0:
+                dims.append(dim)
+            else:
+                dims.append(symbols.get(dim, defaults[j] if j < len(defaults) else 1))
+        return dims
+
+    feeds: dict[str, np.ndarray] = {}
+    x = None
+    if x_meta is not None:
+        x = rng.standard_normal(shape_of(x_meta, (_PROBE_B, _PROBE_T, input_size))).astype(_FLOATS[x_meta.type])
+        feeds[x_meta.name] = x
+    lengths_inputs = _lengths_inputs(index, chain)
+    for meta in inputs:
+        if meta.name in feeds:
+            continue
+        shape = shape_of(meta)
+        if meta.type in _FLOATS:
+            feeds[meta.name] = np.zeros(shape, _FLOATS[meta.type])  # initial states and the like: zeros
+        elif meta.name in lengths_inputs and x is not None:
+            # full lengths: the batch axis is the x axis of the same size, time the other one
+            steps = x.shape[1] if shape and shape[0] == x.shape[0] else x.shape[0]
+            feeds[meta.name] = np.full(shape, steps, _INTS.get(meta.type, np.int64))
+        else:
+            feeds[meta.name] = np.ones(shape, _INTS.get(meta.type, np.int64))  # lengths, token ids: 1 is valid
+    return feeds, x
+
+
+def _forms(ours: OursRunner, x: np.ndarray, d: int) -> dict[int, list[np.ndarray]]:
+    """The converted model's results in the layouts exporters write, for ``x`` read as [B, T, I] and as [T, B, I]:
+    0 (Y) the output sequence, 1 (Y_h) and 2 (Y_c) the last layer's final states."""
+    forms: dict[int, list[np.ndarray]] = {0: [], 1: [], 2: []}
+    for batch_first in (True, False):
+        xb = np.asarray(x, np.float64) if batch_first else np.asarray(x, np.float64).transpose(1, 0, 2)
+        y, h, c = ours(np.ascontiguousarray(xb))
+        b, t, f = y.shape
+        per_dir = y.reshape(b, t, d, f // d)
+        forms[0] += [y, y.transpose(1, 0, 2), per_dir.transpose(1, 2, 0, 3), per_dir.transpose(1, 0, 2, 3), per_dir]
+        for k, state in ((1, h), (2, c)):
+            if state is not None:  # [D, B, Ho]
+                forms[k] += [state, state.transpose(1, 0, 2), state.transpose(1, 0, 2).reshape(b, -1)]
+    return forms
+
+
+def _close(got: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> bool:
+    got, want = np.squeeze(got), np.squeeze(want)
+    return got.shape == want.shape and bool(np.all(np.abs(got - want) <= atol + rtol * np.abs(want)))
