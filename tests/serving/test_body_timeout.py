@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import time
 import urllib.request
@@ -96,3 +97,46 @@ def test_a_real_server_answers_a_stalled_client_and_closes(repo, layout):
             assert r.status == 200
     finally:
         assert stop_server(proc) == 0
+
+
+@pytest.mark.parametrize("layout", [[], ["--frontends", "2"]], ids=["one process", "front-ends"])
+def test_a_stalled_body_does_not_hold_the_drain(repo, layout):
+    """SIGTERM while a client's body is stalled: with no body limit (0) and a 30 s drain, the stall is cut after the
+    drain's pause (1 s) with a 503 to send it again, while a body that keeps arriving is still read and answered."""
+    import threading
+
+    proc, http_url, _ = start_server(repo, "--body-timeout-s", "0", "--drain-timeout-s", "30", *layout)
+    host, port = http_url.split("://")[1].split(":")
+    answers: dict[str, bytes] = {}
+
+    def steady() -> None:  # a part every 0.3 s, 3 s in all
+        with socket.create_connection((host, int(port)), timeout=20) as s:
+            s.sendall(b"POST /v2/models/lstm/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(BODY))
+            step = -(-len(BODY) // 10)
+            for i in range(0, len(BODY), step):
+                time.sleep(0.3)
+                s.sendall(BODY[i:i + step])
+            answers["steady"] = s.recv(65536)
+
+    def stalled() -> None:
+        answers["stalled"], _ = _stall(http_url, head_only=False)
+
+    threads = [threading.Thread(target=f) for f in (stalled, steady)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # both are reading their bodies
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(20)
+        assert proc.wait(20) == 0
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert answers["stalled"].startswith(b"HTTP/1.1 503 "), answers["stalled"]
+    assert b"shutting down" in answers["stalled"] and b"send it again" in answers["stalled"]
+    assert answers["steady"].startswith(b"HTTP/1.1 200 "), answers["steady"]
+    assert took < 10  # not the 30 s drain

@@ -109,6 +109,7 @@ class InferFastPath:
         cancels what still runs then) and gets 503 with the service's JSON error, so that the client retries it
         on another replica instead of reading uvicorn's plain-text 500 as a server fault."""
         self._cut_off = cut_off_by_drain(drain_timeout_s)
+        self.limits.watch.begin_drain()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         match = None

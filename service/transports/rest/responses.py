@@ -9,7 +9,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from ...errors import STATUS_TABLE, InvalidInput, RNNServeError, TooLarge
-from .body_watch import BodyWatch, RequestTimeout
+from .body_watch import BodyCutAtDrain, BodyWatch, RequestTimeout
 
 # zlib window bits of each request Content-Encoding tritonclient sends (gzip.compress, zlib.compress); names are
 # case-insensitive, and x-gzip is gzip (RFC 9110 8.4.1)
@@ -30,7 +30,7 @@ def error_response(exc: RNNServeError) -> JSONResponse:
     """The one way an error leaves the REST transport."""
     code = STATUS_TABLE.get(exc.status, STATUS_TABLE["INTERNAL"])[0]
     # the rest of a stalled body would be read as the next request: the connection ends with this answer
-    headers = {"connection": "close"} if isinstance(exc, RequestTimeout) else None
+    headers = {"connection": "close"} if isinstance(exc, (RequestTimeout, BodyCutAtDrain)) else None
     message = exc.message
     try:
         message.encode("utf-8")
@@ -73,6 +73,9 @@ async def read_body(request: Request, limits: BodyLimits) -> bytes:
         raise InvalidInput("the client closed the connection before it sent the whole body") from None
     except asyncio.CancelledError:
         if limits.watch.end(task) and task.uncancel() == 0:  # the watch's cancel, and nobody else's
+            if limits.watch.draining:
+                raise BodyCutAtDrain(f"the server is shutting down and the request body paused for more than "
+                                     f"{limits.watch.pause_s:g} s; nothing of it ran: send it again") from None
             raise RequestTimeout(f"the request body stopped arriving for more than {limits.watch.pause_s:g} s "
                                  f"(--body-timeout-s); send the whole body without pausing") from None
         raise
