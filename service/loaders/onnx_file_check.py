@@ -58,13 +58,16 @@ def whole_file_check(path: Path, index: GraphIndex, chain: list[NodeProto], stac
                 return {"ran": False, "reason": f"onnxruntime does not support the file: {_last_line(exc)}"}
             raise _refused(path, index, "load", exc) from exc
         x_name = _stack_input(index, chain[0]) if stack_is_graph else None
-        feeds, x = _feeds(session.get_inputs(), index, chain, x_name, input_size)
+        feeds, x, guessed = _feeds(session.get_inputs(), index, chain, x_name, input_size)
         names = [o.name for o in session.get_outputs()]
         try:
             outputs = dict(zip(names, session.run(names, feeds)))
         except Exception as exc:  # noqa: BLE001
             if _unsupported(exc):
                 return {"ran": False, "reason": f"onnxruntime does not support the file: {_last_line(exc)}"}
+            if guessed:  # the probe may be what is wrong, not the file
+                return {"ran": False, "reason": f"onnxruntime did not run it on a probe whose sizes for the inputs "
+                                                f"{', '.join(guessed)} rnnserve had to guess: {_last_line(exc)}"}
             raise _refused(path, index, "run", exc) from exc
         record: dict[str, Any] = {"ran": True, "compared": []}
         if x is None:
@@ -148,9 +151,10 @@ def _lengths_inputs(index: GraphIndex, chain: list[NodeProto]) -> set[str]:
 
 
 def _feeds(inputs: list, index: GraphIndex, chain: list[NodeProto], x_name: str | None,
-           input_size: int) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
-    """A probe value for every graph input, and the stack's input as fed (None when the stack's input is not one
-    float [*, *, I] graph input). Dims the file leaves open take the stack input's value for the same symbol."""
+           input_size: int) -> tuple[dict[str, np.ndarray], np.ndarray | None, list[str]]:
+    """A probe value for every graph input, the stack's input as fed (None when the stack's input is not one
+    float [*, *, I] graph input), and the inputs with a guessed size. Dims the file leaves open take the stack
+    input's value for the same symbol; other open dims are guesses."""
     rng = np.random.default_rng(4321)
     symbols: dict[str, int] = {}
     x_meta = next((i for i in inputs if i.name == x_name and i.type in _FLOATS and len(i.shape) == 3), None)
@@ -159,13 +163,19 @@ def _feeds(inputs: list, index: GraphIndex, chain: list[NodeProto], x_name: str 
             if not isinstance(dim, int) and dim:
                 symbols.setdefault(dim, default)
 
+    guessed: list[str] = []
+
     def shape_of(meta, defaults=()) -> list[int]:
         dims = []
         for j, dim in enumerate(meta.shape):
             if isinstance(dim, int) and dim > 0:
                 dims.append(dim)
+            elif dim in symbols:
+                dims.append(symbols[dim])
             else:
-                dims.append(symbols.get(dim, defaults[j] if j < len(defaults) else 1))
+                dims.append(defaults[j] if j < len(defaults) else 1)
+                if meta is not x_meta and meta.name not in guessed:
+                    guessed.append(meta.name)
         return dims
 
     feeds: dict[str, np.ndarray] = {}
@@ -186,7 +196,7 @@ def _feeds(inputs: list, index: GraphIndex, chain: list[NodeProto], x_name: str 
             feeds[meta.name] = np.full(shape, steps, _INTS.get(meta.type, np.int64))
         else:
             feeds[meta.name] = np.ones(shape, _INTS.get(meta.type, np.int64))  # lengths, token ids: 1 is valid
-    return feeds, x
+    return feeds, x, guessed
 
 
 def _forms(ours: OursRunner, x: np.ndarray, d: int) -> dict[int, list[np.ndarray]]:

@@ -676,3 +676,15 @@ def test_a_file_onnxruntime_has_no_kernel_for_is_checked_on_its_nodes(tmp_path):
     ver = convert(path).provenance["verification"]
     assert ver["checked"] and ver["whole_file"]["ran"] is False
     assert "layout" in ver["whole_file"]["reason"]
+
+
+def test_a_probe_with_guessed_sizes_that_does_not_run_leaves_the_check_to_the_nodes(tmp_path):
+    """A graph input whose size the file ties to nothing rnnserve knows (lengths of a batch axis named apart from
+    X's) is fed a guess; when that probe fails the file is not called broken."""
+    w, r, b = _weights("", "GRU", 4, 3)
+    node = helper.make_node("GRU", ["X", "W", "R", "B", "lens"], ["y"], hidden_size=3)
+    lens = helper.make_tensor_value_info("lens", TensorProto.INT32, ["M"])
+    path = _save(tmp_path, [node], [w, r, b], [_f("X", ["T", "N", 4]), lens], [_f("y")])
+    ver = convert(path).provenance["verification"]
+    assert ver["checked"] and ver["whole_file"]["ran"] is False
+    assert "guess" in ver["whole_file"]["reason"] and "lens" in ver["whole_file"]["reason"]
