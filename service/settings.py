@@ -19,7 +19,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .errors import InvalidInput
 from .finite import MAX_SECONDS, FiniteFloat
-from .repository.config import (MAX_BATCH_SIZE, MAX_COUNT, MAX_FRONTEND_IN_FLIGHT, MAX_QUEUE_DELAY_US,
+from .repository.config import (MAX_BATCH_SIZE, MAX_COUNT, MAX_FRONTEND_IN_FLIGHT, MAX_MEMORY_MB, MAX_QUEUE_DELAY_US,
                                 MAX_SEQUENCE_LENGTH)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -51,7 +51,7 @@ class ServeSettings(BaseSettings):
     max_sequence_length: int = Field(100_000, ge=1, le=MAX_SEQUENCE_LENGTH,
                                      description="Default longest T accepted per request.")
     max_batch_memory_mb: int = Field(
-        0, ge=0, description="Default working memory one engine call of a model may use, in MiB; a request needing "
+        0, ge=0, le=MAX_MEMORY_MB, description="Default working memory one engine call of a model may use, in MiB; a request needing "
                              "more alone gets 413 / RESOURCE_EXHAUSTED. 0: a quarter of the machine's memory (GPU: "
                              "of the smaller of host and GPU memory).",
     )
@@ -130,15 +130,19 @@ class ServeSettings(BaseSettings):
         try:
             settings = cls(**overrides)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"--{'.'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" for e in exc.errors()
-            )
+            problems = "; ".join(f"{_named(e['loc'], overrides)}: {e['msg']}" for e in exc.errors())
             raise InvalidInput(f"bad serve settings: {problems}") from exc
         if settings.http_port == settings.grpc_port and settings.http_port != 0:
             # one process would bind gRPC there first and HTTP would never answer
             raise InvalidInput(f"bad serve settings: --http-port and --grpc-port are both {settings.http_port}; "
                                f"give them different ports (0 picks a free one, --grpc-port -1 turns gRPC off)")
         return settings
+
+
+def _named(loc: tuple, flags: dict[str, Any]) -> str:
+    """A setting as the user gave it: ``--max-queue-size`` when the flag was passed, else its variable."""
+    name = ".".join(map(str, loc))
+    return f"--{name.replace('_', '-')}" if name in flags else f"RNNSERVE_{name.upper()}"
 
 
 def _refuse_unknown_variables() -> None:

@@ -104,6 +104,13 @@ def effective_config(model_dir: Path, defaults: dict[str, Any]) -> ModelConfig:
     return cfg.model_copy(update=update)
 
 
+def _check_name(name: str) -> None:
+    """InvalidInput unless ``name`` can be a model's (and so a folder's that load and unload act on)."""
+    if not _NAME.fullmatch(name):
+        raise InvalidInput(f"'{name}' is not a model name: use letters, digits, '_', '-', '.', starting "
+                           f"with a letter or digit")
+
+
 class ModelRegistry:
     """Scans ``repository``; loads, serves and unloads model versions."""
 
@@ -114,6 +121,7 @@ class ModelRegistry:
         self.defaults = dict(defaults or {})
         self.metrics = metrics
         self._models: dict[str, ModelEntry] = {}
+        self._scanned = False  # the startup scan has listed the repository's folders (as LOADING)
         self._started = False
 
     # ---- queries -------------------------------------------------------------------------------
@@ -135,6 +143,9 @@ class ModelRegistry:
             return self._models[name]
         except KeyError:
             if _NAME.fullmatch(name) and (self.repository / name).is_dir():  # one stat, not a scan
+                if not self._scanned:  # a front-end may ask before the engine process's scan ran
+                    raise Unavailable(f"model '{name}' is not ready: the server is starting and loads the "
+                                      f"repository's models") from None
                 raise NotFound(f"model '{name}' is in repository {self.repository} but not loaded (its folder came "
                                f"after the server started); load it first: POST /v2/repository/models/{name}/load "
                                f"(gRPC RepositoryModelLoad)") from None
@@ -186,7 +197,9 @@ class ModelRegistry:
             if entry is None:
                 rows.append({"name": name, "version": "", "state": "",
                              "reason": "not loaded (added to the repository after the server started); load it "
-                                       "through the repository API"})
+                                       "through the repository API"} if self._scanned else
+                            {"name": name, "version": "", "state": ModelState.LOADING.value,
+                             "reason": "the server is starting"})
                 continue
             if not entry.versions:
                 rows.append({"name": name, "version": "", "state": entry.state.value, "reason": entry.reason})
@@ -211,6 +224,7 @@ class ModelRegistry:
             names = sorted(p.name for p in self.repository.iterdir() if p.is_dir() and not p.name.startswith("."))
         for name in names:
             self._models.setdefault(name, ModelEntry(name, state=ModelState.LOADING))
+        self._scanned = True
         try:
             await asyncio.gather(*(self._load_logged(n) for n in names))
         finally:
@@ -237,9 +251,10 @@ class ModelRegistry:
             log.error("model %s is unavailable: %s", name, exc.message)
             entry = self._models.get(name)
             if entry is not None and entry.state == ModelState.LOADING and not entry.versions:
-                # refused before its folder was read (a folder whose name is not a model name): say why
+                # refused before its folder was read (a folder whose name is not a model name): the index says
+                # why, and no rnnserve_model_ready series counts it as a model down (lost+found is at the root
+                # of every ext4 volume: an alert on == 0 would fire for as long as the server runs)
                 entry.state, entry.reason = ModelState.UNAVAILABLE, exc.message
-                self._none_ready(name)
 
     def _none_ready(self, name: str) -> None:
         """Model ``name`` failed before any version: ``rnnserve_model_ready{version=""}`` 0, so that an alert on
@@ -265,9 +280,7 @@ class ModelRegistry:
 
     async def load(self, name: str) -> None:
         """(Re)load model ``name`` from the repository per its version policy; raise the load error if any."""
-        if not _NAME.fullmatch(name):
-            raise InvalidInput(f"'{name}' is not a model name: use letters, digits, '_', '-', '.', starting "
-                               f"with a letter or digit")
+        _check_name(name)
         model_dir = self.repository / name
         if not model_dir.is_dir():
             await self._forget_removed(name)
@@ -349,6 +362,8 @@ class ModelRegistry:
         ok = any(sv.state == ModelState.READY for sv in entry.versions.values())
         entry.state = ModelState.READY if ok else ModelState.UNAVAILABLE
         entry.reason = "" if ok else "; ".join(e.message for e in failures)
+        # versions whose new copy failed while an earlier one serves: the index says so beside the READY rows
+        entry.last_failure = "; ".join(e.message for e in failures) if ok else ""
         if failures:
             raise failures[0]
 
@@ -412,6 +427,7 @@ class ModelRegistry:
 
     async def unload(self, name: str) -> None:
         """Drain and unload every version of ``name``; it stays in the index as UNAVAILABLE ("unloaded")."""
+        _check_name(name)
         entry = self.entry(name)
         async with entry.lock:
             for sv in list(entry.versions.values()):

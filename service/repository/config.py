@@ -52,6 +52,7 @@ MAX_QUEUE_DELAY_US = 10_000_000
 MAX_COUNT = 10_000_000  # requests waiting, live streams
 MAX_SEQUENCE_LENGTH = 1_000_000_000
 MAX_FRONTEND_IN_FLIGHT = 64
+MAX_MEMORY_MB = 1 << 24  # 16 TiB, past any one machine: a larger value is a typo that would switch a guard off
 
 
 class ModelConfig(BaseModel):
@@ -60,7 +61,9 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_batch_size: Integer = Field(
-        64, ge=1, le=MAX_BATCH_SIZE, description="Most sequences the scheduler runs in one engine call."
+        64, ge=1, le=MAX_BATCH_SIZE,
+        description="Most sequences the scheduler batches into one engine call; a single request carrying more runs "
+                    "alone as one call (within max_batch_memory_mb)."
     )
     max_queue_delay_us: Integer = Field(
         0, ge=0, le=MAX_QUEUE_DELAY_US,
@@ -74,7 +77,7 @@ class ModelConfig(BaseModel):
     )
     max_sequence_length: Integer = Field(100_000, ge=1, le=MAX_SEQUENCE_LENGTH, description="Longest T accepted per request.")
     max_batch_memory_mb: Integer = Field(
-        0, ge=0, description="Working memory one engine call may use, in MiB (estimated from the model's layers: "
+        0, ge=0, le=MAX_MEMORY_MB, description="Working memory one engine call may use, in MiB (estimated from the model's layers: "
                              "rows x longest length x bytes per step; `rnnserve inspect` prints it). A request needing more alone is "
                              "refused with 413 / RESOURCE_EXHAUSTED; batches are formed within it. 0 (the default): "
                              "a quarter of the machine's memory (GPU engine: of the smaller of host and GPU memory).",
@@ -84,7 +87,7 @@ class ModelConfig(BaseModel):
     )
     allow_tf32: StrictBool = Field(False, description="Let the cuDNN engine use TF32 tensor cores for float32 models.")
     cuda_graph_memory_mb: Integer = Field(
-        512, ge=0, description="Device memory the cuDNN engine may keep for CUDA graphs of repeated equal-length "
+        512, ge=0, le=MAX_MEMORY_MB, description="Device memory the cuDNN engine may keep for CUDA graphs of repeated equal-length "
                                "calls (their input, output and state buffers), in MiB; 0 turns the graphs off.",
     )
     version_policy: VersionPolicy = Field(

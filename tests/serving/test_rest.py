@@ -457,6 +457,12 @@ async def test_broken_models_do_not_stop_others(repo):
         rows = {r["name"]: r for r in (await client.post("/v2/repository/index")).json()}
         assert rows["cfgdir"]["state"] == "UNAVAILABLE" and "is a folder, not a regular" in rows["cfgdir"]["reason"]
         assert rows["_under"]["state"] == "UNAVAILABLE" and "'_under' is not a model name" in rows["_under"]["reason"]
+        # not a model, so no model is down: lost+found, at the root of every ext4 volume, fired an alert on
+        # rnnserve_model_ready == 0 for good; unload refuses the name as load does (it answered 200)
+        assert 'model="_under"' not in (await client.get("/metrics")).text
+        r = await client.post("/v2/repository/models/_under/unload")
+        assert r.status_code == 400 and "is not a model name" in r.json()["error"]
+        assert 'rnnserve_model_ready{model="badcfg",version=""} 0.0' in (await client.get("/metrics")).text
         assert rows["nopolicy"]["state"] == "UNAVAILABLE" and "version_policy" in rows["nopolicy"]["reason"]
         assert rows["oddversions"]["state"] == "UNAVAILABLE" and "has no version folder" in rows["oddversions"]["reason"]
         # the folders that look like versions to whoever made them are named, each with why it is not one
@@ -502,6 +508,16 @@ async def test_a_reload_retires_the_versions_its_policy_drops(repo):
         assert r.status_code >= 400
         r = await client.post("/v2/models/lstm/infer", json=_infer_body(x))
         assert r.status_code == 200 and r.json()["model_version"] == "1"
+        # a version that serves while its new copy failed: the index says so beside it (it said nothing)
+        write_config(repo, "lstm", version_policy=[1])
+        assert (await client.post("/v2/repository/models/lstm/load")).status_code == 200
+        (repo / "lstm" / "1" / "model.safetensors").write_bytes(b"\x01\x00")
+        r = await client.post("/v2/repository/models/lstm/load")
+        assert r.status_code == 400
+        row = next(r for r in (await client.post("/v2/repository/index")).json() if r["name"] == "lstm")
+        assert row["version"] == "1" and row["state"] == "READY"
+        assert row["reason"].startswith("serving the earlier load; the last load failed: "), row
+        assert (await client.post("/v2/models/lstm/infer", json=_infer_body(x))).status_code == 200
 
 
 async def test_a_deleted_model_folder_leaves_the_index(repo):
@@ -746,3 +762,24 @@ async def test_answers_are_compressed_when_the_request_accepts_it(repo, binary):
             assert r.headers.get("inference-header-content-length") == plain.headers.get("inference-header-content-length")
         r = await client.post("/v2/models/lstm/infer", json=body, headers={"accept-encoding": "br, *;q=0.1"})
         assert "content-encoding" not in r.headers and r.content == plain.content
+
+
+async def test_a_model_asked_for_before_the_startup_scan_is_loading_not_missing(repo):
+    """With front-end processes, a front-end could ask the engine process for a model before its registry had
+    scanned the repository: 404 "not loaded; load it first" (and the index said the same) for a model that was
+    about to load. Until the scan it is LOADING, and a request gets 503."""
+    from service.errors import Unavailable
+    from service.registry import ModelRegistry
+
+    registry = ModelRegistry(repo)
+    with pytest.raises(Unavailable, match="model 'lstm' is not ready: the server is starting"):
+        registry.entry("lstm")
+    assert {(r["name"], r["state"]) for r in registry.index()} == {("gru_bi", "LOADING"), ("lstm", "LOADING")}
+    await registry.start()
+    try:
+        assert registry.serving("lstm").state.value == "READY"
+        shutil.copytree(repo / "lstm", repo / "later")
+        with pytest.raises(Exception, match="not loaded .* load it first"):
+            registry.entry("later")
+    finally:
+        await registry.stop()

@@ -26,6 +26,16 @@ def test_bad_values_name_the_flag(monkeypatch):
         ServeSettings.from_args(["--max-batch-size", "0"])
     with pytest.raises(SystemExit):
         ServeSettings.from_args(["--device", "tpu"])
+    # a value from the environment is named as the user set it, not as a flag they never passed
+    monkeypatch.setenv("RNNSERVE_MAX_QUEUE_SIZE", "abc")
+    with pytest.raises(InvalidInput, match="settings: RNNSERVE_MAX_QUEUE_SIZE: Input should be a valid integer"):
+        ServeSettings.from_args([])
+    with pytest.raises(InvalidInput, match="settings: --max-queue-size: Input should be greater"):
+        ServeSettings.from_args(["--max-queue-size", "0"])
+    # a memory guard set past any machine (a typo) would switch itself off
+    monkeypatch.delenv("RNNSERVE_MAX_QUEUE_SIZE")
+    with pytest.raises(InvalidInput, match="--max-batch-memory-mb: Input should be less than or equal to 16777216"):
+        ServeSettings.from_args(["--max-batch-memory-mb", str(10**15)])
 
 
 @pytest.mark.parametrize("flag", ["--drain-timeout-s", "--body-timeout-s", "--stream-idle-timeout-s"])
