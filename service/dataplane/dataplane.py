@@ -15,7 +15,7 @@ from typing import Any
 from .. import __version__
 from ..errors import InvalidInput, RNNServeError, StaleModelView, Unavailable
 from ..metrics import ServerMetrics, observe_many
-from ..registry import ModelRegistry, ModelState, ServedVersion
+from ..registry import ModelRegistry, ModelState, ServedVersion, check_serving
 from ..scheduler import SequenceWork
 from ..scheduler.streams import StreamState
 from .model_config import triton_model_config
@@ -122,7 +122,9 @@ class DataPlane:
         start = time.perf_counter()
         served = None
         try:
-            served = self.registry.serving(request.model_name, request.model_version)
+            # the version first: a refusal for a version that is not ready is counted under it
+            served = self.registry.version(request.model_name, request.model_version)
+            check_serving(served)
             view = self._view(served)
             prepared = prepare(request, view)
         except RNNServeError as exc:
@@ -154,7 +156,8 @@ class DataPlane:
         start = time.perf_counter()
         served = None
         try:
-            served = self.registry.serving(name, version)
+            served = self.registry.version(name, version)
+            check_serving(served)
             if served.generation != generation:
                 raise StaleModelView(f"model '{name}' version {served.label} was reloaded while the request was sent")
         except StaleModelView:

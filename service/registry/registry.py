@@ -104,6 +104,16 @@ def effective_config(model_dir: Path, defaults: dict[str, Any]) -> ModelConfig:
     return cfg.model_copy(update=update)
 
 
+def check_serving(served: "ServedVersion") -> "ServedVersion":
+    """``served`` when it can run a request now, else Unavailable saying why (callers that count the refusal
+    under its version first get the version, then call this)."""
+    if served.state != ModelState.READY or served.scheduler is None:
+        why = f": {served.reason}" if served.reason else ""
+        raise Unavailable(f"model '{served.name}' version {served.version} is not ready "
+                          f"(state {served.state.value}{why})")
+    return served
+
+
 def _check_name(name: str) -> None:
     """InvalidInput unless ``name`` can be a model's (and so a folder's that load and unload act on)."""
     if not _NAME.fullmatch(name):
@@ -177,12 +187,7 @@ class ModelRegistry:
 
     def serving(self, name: str, version: str = "") -> ServedVersion:
         """The READY version that should run a request, or NotFound / Unavailable saying why not."""
-        served = self.version(name, version)
-        if served.state != ModelState.READY or served.scheduler is None:
-            why = f": {served.reason}" if served.reason else ""
-            raise Unavailable(f"model '{name}' version {served.version} is not ready "
-                              f"(state {served.state.value}{why})")
-        return served
+        return check_serving(self.version(name, version))
 
     def index(self, ready_only: bool = False) -> list[dict[str, str]]:
         """Repository index rows: name, version, state, reason.

@@ -404,6 +404,9 @@ async def test_repository_index_load_unload(repo):
         assert r.status_code == 503 and r.json()["ready"] is False
         r = await client.post("/v2/models/lstm/infer", json={"inputs": [_inp()]})
         assert r.status_code == 503 and "model 'lstm' version 1 is not ready (state UNAVAILABLE: unloaded)" in r.json()["error"]
+        # counted under the version the answer names (it was version "", which no version's statistics show)
+        assert metric_value(dataplane, "rnnserve_requests_total", model="lstm", version="1", outcome="unavailable") == 1
+        assert metric_value(dataplane, "rnnserve_requests_total", model="lstm", version="", outcome="unavailable") == 0
         assert await dataplane.ready()  # an unloaded model is not loadable, so the server stays ready
 
         # a new version appears; load picks it up (version_policy latest)
