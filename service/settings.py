@@ -11,10 +11,11 @@ The batching and stream fields (``max_batch_size``, ``max_queue_delay_us``, ``ma
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .errors import InvalidInput
@@ -26,6 +27,13 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 # RNNSERVE_* variables that are not serve settings: engine knobs read where they apply (the cuDNN library's path,
 # service.engines.cudnn.library.ENV_LIBRARY; the native CPU kernels' switch, service.engines.reference.native.ENV_SWITCH)
 OTHER_VARIABLES = frozenset({"RNNSERVE_CUDNN_LIBRARY", "RNNSERVE_NATIVE_CPU"})
+# Kubernetes gives every pod variables for each Service of its namespace (enableServiceLinks, on by default): a
+# Service named rnnserve (deploy/kubernetes) or rnnserve-x makes RNNSERVE_SERVICE_HOST, RNNSERVE_SERVICE_PORT[_HTTP],
+# RNNSERVE_PORT=tcp://..., RNNSERVE_PORT_8000_TCP[_PROTO|_PORT|_ADDR]. They are not settings, nor misspelt ones.
+_SERVICE_LINK = re.compile(r"RNNSERVE_(?:\w+_)?(?:SERVICE_(?:HOST|PORT(?:_\w+)?)"
+                           r"|PORT_\d+_(?:TCP|UDP|SCTP)(?:_(?:PROTO|PORT|ADDR))?)")
+MAX_MESSAGE_BYTES = 2**31 - 1  # gRPC takes its message limits as a C int
+_SERVICE_LINK_PORT = re.compile(r"RNNSERVE_(?:\w+_)?PORT")  # with a value tcp://IP:PORT
 
 
 class ServeSettings(BaseSettings):
@@ -68,9 +76,10 @@ class ServeSettings(BaseSettings):
                     "GPU-bound models, whose batches cost about the same with more rows.",
     )
     max_request_bytes: int = Field(
-        64 * 1024 * 1024, ge=1024,
+        64 * 1024 * 1024, ge=1024, le=MAX_MESSAGE_BYTES,
         description="Largest request body (HTTP) or message (gRPC) accepted, in bytes. It bounds answers too: gRPC "
-                    "messages, and HTTP answers sent as JSON (~20 bytes a number; binary outputs are not held to it).",
+                    "messages, and HTTP answers sent as JSON (~20 bytes a number; binary outputs are not held to it); "
+                    "at most 2 GiB - 1, gRPC's own limit.",
     )
     body_timeout_s: FiniteFloat = Field(
         60.0, ge=0, le=MAX_SECONDS,
@@ -120,6 +129,18 @@ class ServeSettings(BaseSettings):
     drain_timeout_s: FiniteFloat = Field(30.0, ge=0, le=MAX_SECONDS, description="On SIGTERM/SIGINT, how long in-flight requests may finish.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
 
+    @field_validator("repository", mode="before")
+    @classmethod
+    def _repository_named(cls, value: Any) -> Any:
+        if isinstance(value, str) and not value.strip():  # Path("") would quietly be the current folder
+            raise ValueError("is empty; name the model repository folder (default ./models)")
+        return value
+
+    @field_validator("device", "log_level", mode="before")
+    @classmethod
+    def _any_case(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
+
     @classmethod
     def from_args(cls, argv: list[str]) -> "ServeSettings":
         """Settings from env vars overridden by ``argv`` flags (exits with usage on bad flags)."""
@@ -145,6 +166,13 @@ def _named(loc: tuple, flags: dict[str, Any]) -> str:
     return f"--{name.replace('_', '-')}" if name in flags else f"RNNSERVE_{name.upper()}"
 
 
+def _service_link(var: str, value: str) -> bool:
+    """Whether ``var`` is one of the variables Kubernetes sets for a Service (see _SERVICE_LINK)."""
+    if _SERVICE_LINK.fullmatch(var):
+        return True
+    return bool(_SERVICE_LINK_PORT.fullmatch(var)) and value.startswith(("tcp://", "udp://", "sctp://"))
+
+
 def _refuse_unknown_variables() -> None:
     """A misspelt RNNSERVE_* variable was ignored, serving with the default it meant to change; refused like an
     unknown flag, naming the nearest setting."""
@@ -153,7 +181,7 @@ def _refuse_unknown_variables() -> None:
 
     known = {f"RNNSERVE_{name.upper()}" for name in ServeSettings.model_fields} | OTHER_VARIABLES
     for var in sorted(os.environ):
-        if var.startswith("RNNSERVE_") and var not in known:
+        if var.startswith("RNNSERVE_") and var not in known and not _service_link(var, os.environ[var]):
             near = difflib.get_close_matches(var, sorted(known), n=1)
             hint = f" (did you mean {near[0]}?)" if near else ""
             raise InvalidInput(f"bad serve settings: {var} is not a setting of rnnserve serve{hint}; unset it "
@@ -171,10 +199,10 @@ def build_serve_parser() -> argparse.ArgumentParser:
         ann = info.annotation
         if get_origin(ann) is Literal:
             kwargs["choices"] = list(get_args(ann))
+            kwargs["type"] = str.lower  # --log-level DEBUG, as the variable takes it
         elif ann in (int, float):
             kwargs["type"] = ann
-        elif ann is Path:
-            kwargs["type"] = Path
+        # a Path stays text here: the settings refuse an empty one, which Path("") would make "." 
         kwargs["help"] = f"{info.description} (default {info.default}; env RNNSERVE_{name.upper()})"
         parser.add_argument(f"--{name.replace('_', '-')}", **kwargs)
     return parser

@@ -132,17 +132,24 @@ class ModelRegistry:
         self.metrics = metrics
         self._models: dict[str, ModelEntry] = {}
         self._scanned = False  # the startup scan has listed the repository's folders (as LOADING)
+        self._had_models = False  # it found folders named as models
         self._started = False
 
     # ---- queries -------------------------------------------------------------------------------
 
     def ready(self) -> bool:
-        """True once the startup scan has tried every model: each loadable one is then READY.
+        """True once the startup scan has tried every model (each loadable one is then READY) and a version serves.
 
-        Loads and unloads through the API later do not flip it: old versions keep serving
-        during a reload, and an unloaded model is not loadable.
+        A repository whose models all failed serves nothing but errors: not ready, so that a rollout of a broken
+        repository stops at its first pod and a load balancer sends it nothing (Triton stops at start there). It
+        turns ready when a model loads through the API. A repository with no model folder at the start is ready
+        (models are added and loaded through the API later). Beyond that, loads and unloads do not flip it: old
+        versions keep serving during a reload, and an unloaded model is not loadable.
         """
-        return self._started
+        if not self._started:
+            return False
+        return not self._had_models or any(sv.state == ModelState.READY for entry in self._models.values()
+                                           for sv in entry.versions.values())
 
     def names(self) -> list[str]:
         return sorted(self._models)
@@ -230,18 +237,20 @@ class ModelRegistry:
         for name in names:
             self._models.setdefault(name, ModelEntry(name, state=ModelState.LOADING))
         self._scanned = True
+        self._had_models = any(_NAME.fullmatch(n) for n in names)
         try:
             await asyncio.gather(*(self._load_logged(n) for n in names))
         finally:
             self._started = True
         serving = [e.name for e in self._models.values() if e.state == ModelState.READY]
-        if not names:
+        if not self._had_models:
             log.warning("model repository %s holds no model folder: the server is ready and serves nothing until "
                         "models are added and loaded (POST /v2/repository/models/NAME/load)", self.repository)
         elif not serving:
             # ready by the rule above (nothing loadable is left to wait for), yet it can only refuse: say so loudly
-            log.error("no model of %s could be loaded (the errors above say why); the server is ready and answers "
-                      "every request with an error until a model loads", self.repository)
+            log.error("no model of %s could be loaded (the errors above say why); the server is not ready until a "
+                      "model loads (fix the model folders, then POST /v2/repository/models/NAME/load)",
+                      self.repository)
 
     async def stop(self, drain: bool = True) -> None:
         """Stop every scheduler (running what waits when ``drain``) and release engines."""

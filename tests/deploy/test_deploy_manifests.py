@@ -145,6 +145,40 @@ def test_serve_arguments_are_accepted_by_rnnserve(kind):
     assert parsed.http_port == ports["http"] and parsed.grpc_port == ports["grpc"]
 
 
+def _service_links(name: str, ports: list[dict]) -> dict[str, str]:
+    """The variables Kubernetes gives every pod of the namespace for Service ``name`` (enableServiceLinks)."""
+    n, ip = name.upper().replace("-", "_"), "10.96.0.10"
+    env = {f"{n}_SERVICE_HOST": ip, f"{n}_SERVICE_PORT": str(ports[0]["port"]),
+           f"{n}_PORT": f"tcp://{ip}:{ports[0]['port']}"}
+    for p in ports:
+        if "name" in p:
+            env[f"{n}_SERVICE_PORT_{p['name'].upper().replace('-', '_')}"] = str(p["port"])
+        base = f"{n}_PORT_{p['port']}_TCP"
+        env.update({base: f"tcp://{ip}:{p['port']}", f"{base}_PROTO": "tcp", f"{base}_PORT": str(p["port"]),
+                    f"{base}_ADDR": ip})
+    return env
+
+
+@pytest.mark.parametrize("kind", ["Deployment", "ServingRuntime"])
+def test_the_server_starts_with_the_variables_kubernetes_adds(kind, monkeypatch):
+    """Service links on (the default; KServe's pods have them): the Service rnnserve and KServe's predictor Service
+    give variables named RNNSERVE_*, which the server's check for misspelt settings refused (a crash loop)."""
+    from service.settings import ServeSettings
+
+    isvc = _by_kind("InferenceService")["metadata"]["name"]
+    links = {**_service_links(_by_kind("Service")["metadata"]["name"], _by_kind("Service")["spec"]["ports"]),
+             **_service_links(f"{isvc}-predictor", [{"name": "http", "port": 80}])}
+    assert any(k.startswith("RNNSERVE_") for k in links)
+    obj = _by_kind(kind)
+    spec = obj["spec"]["template"]["spec"] if kind == "Deployment" else obj["spec"]
+    for var in [v for v in __import__("os").environ if v.startswith("RNNSERVE_")]:
+        monkeypatch.delenv(var)
+    for var, value in {**links, **{e["name"]: e["value"] for e in _container(spec).get("env", [])}}.items():
+        monkeypatch.setenv(var, value)
+    settings = ServeSettings.from_args(_container(spec)["args"][1:])
+    assert str(settings.repository) in ("/models", "/mnt/models")  # KServe mounts its storage at /mnt/models
+
+
 def test_service_routes_http_and_grpc_to_the_pods():
     svc = _by_kind("Service")
     pod_labels = _by_kind("Deployment")["spec"]["template"]["metadata"]["labels"]

@@ -786,3 +786,21 @@ async def test_a_model_asked_for_before_the_startup_scan_is_loading_not_missing(
             registry.entry("later")
     finally:
         await registry.stop()
+
+
+async def test_a_repository_whose_models_all_failed_is_not_ready_until_one_loads(tmp_path):
+    """It answered ready and then refused every request: a rollout of a broken repository replaced good pods. A
+    repository with no model folder (lost+found aside) is still ready: models are loaded into it later."""
+    repo = tmp_path / "models"
+    (repo / "lost+found").mkdir(parents=True)
+    async with rest_client(repo) as (client, _):
+        assert (await client.get("/v2/health/ready")).status_code == 200
+    (repo / "lstm" / "1").mkdir(parents=True)
+    (repo / "lstm" / "1" / "model.safetensors").write_bytes(b"\x01\x00")
+    async with rest_client(repo) as (client, dataplane):
+        assert (await client.get("/v2/health/ready")).status_code == 503
+        assert (await client.get("/v2/health/live")).status_code == 200
+        make_model(*LSTM, seed=3).save(repo, "lstm", 1, replace=True)
+        assert (await client.post("/v2/repository/models/lstm/load")).status_code == 200
+        assert (await client.get("/v2/health/ready")).status_code == 200
+        assert (await client.post("/v2/models/lstm/infer", json={"inputs": [_inp()]})).status_code == 200

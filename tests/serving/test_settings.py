@@ -110,3 +110,37 @@ def test_every_variable_the_service_reads_is_known_to_the_check():
     assert names, "no variable names found"
     known = {f"RNNSERVE_{f.upper()}" for f in ServeSettings.model_fields} | OTHER_VARIABLES
     assert names <= known, names - known
+
+
+def test_kubernetes_service_link_variables_are_not_refused(monkeypatch):
+    """A Service named rnnserve (deploy/kubernetes) gives every pod of its namespace these variables: the server
+    refused them as misspelt settings and the shipped Deployment crash-looped. A misspelt setting is still refused."""
+    links = {"RNNSERVE_SERVICE_HOST": "10.96.12.34", "RNNSERVE_SERVICE_PORT": "8000",
+             "RNNSERVE_SERVICE_PORT_HTTP": "8000", "RNNSERVE_SERVICE_PORT_GRPC": "8001",
+             "RNNSERVE_PORT": "tcp://10.96.12.34:8000", "RNNSERVE_PORT_8000_TCP": "tcp://10.96.12.34:8000",
+             "RNNSERVE_PORT_8000_TCP_PROTO": "tcp", "RNNSERVE_PORT_8000_TCP_PORT": "8000",
+             "RNNSERVE_PORT_8000_TCP_ADDR": "10.96.12.34",
+             # KServe's predictor Service of an InferenceService named rnnserve-models
+             "RNNSERVE_MODELS_PREDICTOR_SERVICE_HOST": "10.96.0.7", "RNNSERVE_MODELS_PREDICTOR_PORT": "tcp://10.96.0.7:80"}
+    for var, value in links.items():
+        monkeypatch.setenv(var, value)
+    assert ServeSettings.from_args([]).http_port == 8000
+    monkeypatch.setenv("RNNSERVE_HTPP_PORT", "9000")  # not a link: its value is no tcp:// address
+    with pytest.raises(InvalidInput, match="RNNSERVE_HTPP_PORT is not a setting .*did you mean RNNSERVE_HTTP_PORT"):
+        ServeSettings.from_args([])
+
+
+def test_an_empty_repository_setting_and_upper_case_choices(monkeypatch):
+    """An empty repository was the current folder (in the image, /: its folders listed as models, and ready)."""
+    with pytest.raises(InvalidInput, match="--repository: Value error, is empty; name the model repository folder"):
+        ServeSettings.from_args(["--repository", ""])
+    monkeypatch.setenv("RNNSERVE_REPOSITORY", " ")
+    with pytest.raises(InvalidInput, match="RNNSERVE_REPOSITORY: Value error, is empty"):
+        ServeSettings.from_args([])
+    monkeypatch.setenv("RNNSERVE_REPOSITORY", "models")
+    monkeypatch.setenv("RNNSERVE_LOG_LEVEL", "DEBUG")
+    settings = ServeSettings.from_args(["--device", "CPU"])
+    assert (settings.log_level, settings.device, str(settings.repository)) == ("debug", "cpu", "models")
+    # gRPC takes its message limit as a C int: a larger one failed at its start with no setting named
+    with pytest.raises(InvalidInput, match="--max-request-bytes: Input should be less than or equal to 2147483647"):
+        ServeSettings.from_args(["--max-request-bytes", "3000000000"])
