@@ -16,10 +16,12 @@ reach the engines), then the engine processes run what waits and exit 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 from typing import Any
 
@@ -121,7 +123,7 @@ async def serve_with_frontends(settings: ServeSettings, stop_event: asyncio.Even
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({stopper, watch}, return_when=asyncio.FIRST_COMPLETED)
         if watch.done() and not stop.is_set():
-            dead = [p.name for p in engines + frontends if not p.is_alive()]
+            dead = [_how_it_ended(p) for p in engines + frontends if not p.is_alive()]
         watch.cancel()
         stopper.cancel()
         log.info("rnnserve: draining in-flight requests (up to %.0fs)", settings.drain_timeout_s)
@@ -145,3 +147,13 @@ async def serve_with_frontends(settings: ServeSettings, stop_event: asyncio.Even
         return 1
     log.info("rnnserve: stopped")
     return 0
+
+
+def _how_it_ended(proc: multiprocessing.Process) -> str:
+    """``frontend-0 (killed by SIGKILL)``, ``engine-1 (exit code 1)``: which child ended, and how, so that the one
+    that failed stands apart from those that stopped because it did."""
+    code = proc.exitcode
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"{proc.name} (killed by {signal.Signals(-code).name})"
+    return f"{proc.name} (exit code {code})"
