@@ -38,9 +38,10 @@ class DataPlane:
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self._stopping = False
         # Bound counter/histogram series by labels: a labels() lookup takes a lock and hashes the
-        # labels on every request. Counters and histograms are never removed, so these stay valid;
-        # the keys are served (model, version) pairs and outcomes, plus model "" for unknown names.
+        # labels on every request. The keys are served (model, version) pairs and outcomes, plus model ""
+        # for unknown names; a version whose series are removed (it left the index) is let go of here.
         self._series: dict[tuple, Any] = {}
+        self.metrics.on_drop.append(self._forget_series)
         self._signatures: dict[int, tuple[Any, ModelSignature]] = {}
         self._views: dict[int, ModelView] = {}
         self._changes: set[asyncio.Task] = set()  # loads and unloads under way (see _to_its_end)
@@ -309,6 +310,12 @@ class DataPlane:
             hit = self._signatures[id(spec)] = (spec, ModelSignature.of(spec))
         return hit[1]
 
+    def _forget_series(self, model: str, version: str) -> None:
+        """The series of ``model``/``version`` were removed (the version left the index): bind new ones if it comes
+        back, rather than count into the removed ones."""
+        for key in [k for k in self._series if k[1] == model and k[2] == version]:
+            del self._series[key]
+
     def _count(self, model: str, version: str, outcome: str, requests: int = 1) -> None:
         # Requests for unknown models are counted under model "" so clients cannot create series at will.
         self._bound("requests", model, version, outcome).inc(requests)
@@ -337,8 +344,9 @@ class DataPlane:
         return self.registry.index(ready_only)
 
     async def render_metrics(self) -> bytes:
-        """The Prometheus exposition of this server's metrics (content type ``CONTENT_TYPE_LATEST``)."""
-        return self.metrics.render()
+        """The Prometheus exposition of this server's metrics (content type ``CONTENT_TYPE_LATEST``), rendered on a
+        thread: with many models a render takes milliseconds, which the event loop's requests would wait out."""
+        return await asyncio.to_thread(self.metrics.render)
 
     async def load_model(self, name: str) -> None:
         await self._to_its_end(self.registry.load(name))

@@ -147,7 +147,8 @@ class ShardedDataPlane:
 
     async def render_metrics(self) -> bytes:
         """Every engine process's series, added up (:func:`~service.metrics.merge.merge_expositions`)."""
-        return merge_expositions(await asyncio.gather(*(shard.render_metrics() for shard in self.shards)))
+        texts = await asyncio.gather(*(shard.render_metrics() for shard in self.shards))
+        return await asyncio.to_thread(merge_expositions, texts)  # a parse and a render: off the event loop
 
     async def load_model(self, name: str) -> None:
         await self._everywhere("load_model", name)

@@ -20,6 +20,8 @@ EXTENSIONS: dict[str, str] = {
     "trace": "per-request timings are in the Prometheus metrics at GET /metrics (queue, compute and request "
              "duration histograms by model)",
     "logging": "set the log level when the server starts: --log-level (or RNNSERVE_LOG_LEVEL)",
+    "generate": "recurrent models here take whole tensors: POST /v2/models/NAME/infer, or "
+                "/v1/models/NAME:predict for ragged JSON sequences",
 }
 
 # gRPC method of Triton's GRPCInferenceService -> extension

@@ -13,7 +13,9 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# From 50 µs: queue times and a GPU batch's compute are tens to hundreds of µs (buckets from 0.5 ms put every one
+# in the first, and histogram_quantile read them all as 0.25-0.5 ms).
+_LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _STEP_BUCKETS = (1, 10, 25, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 100000)
 _LOAD_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -50,6 +52,7 @@ class ServerMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.on_drop: list[Callable[[str, str], None]] = []  # called with (model, version) by drop_version
         r = self.registry
         self.requests = Counter(
             "rnnserve_requests",
@@ -90,7 +93,8 @@ class ServerMetrics:
         self.batch_failures = Counter(
             "rnnserve_batch_failures", "Engine calls that raised; their requests failed.", MV, registry=r)
         self.queue_depth = Gauge(
-            "rnnserve_queue_depth", "Requests waiting in the scheduler.", MV, registry=r)
+            "rnnserve_queue_depth", "Requests waiting in the scheduler (with --frontends N, the engine "
+            "process's: requests a front-end holds back while its messages are out are not counted).", MV, registry=r)
         self.active_streams = Gauge(
             "rnnserve_active_streams", "Live stateful streams (sequence_id) holding state on the server.", MV,
             registry=r)
@@ -135,6 +139,24 @@ class ServerMetrics:
         for gauge in (self.queue_depth, self.active_streams):
             with contextlib.suppress(KeyError):  # never set for this version
                 gauge.remove(model, version)
+
+    def drop_version(self, model: str, version: str) -> None:
+        """Remove every series of ``model``/``version``: the version left the repository index (its folder was
+        deleted, the version policy moved past it, the model went). Counters and histograms of such versions stayed
+        until a restart, so ``/metrics`` grew by ~100 series a rollout (6,710 series of one model after 50).
+        ``on_drop`` callbacks let holders of bound series (the dataplane's cache) let go of theirs."""
+        for metric in self._per_model():
+            for labels in {tuple(sample.labels.get(n, "") for n in metric._labelnames)  # noqa: SLF001
+                           for family in metric.collect() for sample in family.samples
+                           if sample.labels.get("model") == model and sample.labels.get("version") == version}:
+                with contextlib.suppress(KeyError):
+                    metric.remove(*labels)
+        for callback in self.on_drop:
+            callback(model, version)
+
+    def _per_model(self) -> list:
+        return [m for m in vars(self).values()
+                if isinstance(m, (Counter, Gauge, Histogram)) and tuple(m._labelnames[:2]) == MV]  # noqa: SLF001
 
     def render(self) -> bytes:
         """Prometheus text exposition of every series."""

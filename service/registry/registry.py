@@ -282,15 +282,10 @@ class ModelRegistry:
         sv = entry.versions[v]
         await self._retire(sv, drain=True)  # listed while it drains: a request meanwhile is told it is unloading
         del entry.versions[v]
-        self._drop_ready(entry.name, sv.label)
-
-    def _drop_ready(self, name: str, label: str) -> None:
-        """A version (or a model's "no version" mark) left the model: its ``rnnserve_model_ready`` series goes, as
-        its row leaves the index. Left at 0, an alert on ``== 0`` fired for good after a version was deleted or
-        the version policy moved past it. Versions still listed (unloaded, failed) keep their 0."""
+        log.info("model %s version %s is no longer served: outside its version policy, or its folder is gone",
+                 entry.name, sv.label)
         if self.metrics is not None:
-            with contextlib.suppress(KeyError):  # never set
-                self.metrics.model_ready.remove(name, label)
+            self.metrics.drop_version(entry.name, sv.label)
 
     async def load(self, name: str) -> None:
         """(Re)load model ``name`` from the repository per its version policy; raise the load error if any."""
@@ -322,7 +317,8 @@ class ModelRegistry:
                     await self._remove(entry, v)
             if not entry.versions and self._models.get(name) is entry:
                 del self._models[name]
-                self._drop_ready(name, "")
+                if self.metrics is not None:  # the model is gone: so are its refusals counted before a version
+                    self.metrics.drop_version(name, "")
 
     async def _load_locked(self, entry: ModelEntry, model_dir: Path) -> None:
         try:
@@ -448,6 +444,8 @@ class ModelRegistry:
                 await self._retire(sv, drain=True)
                 sv.reason = "unloaded"
             entry.state, entry.reason = ModelState.UNAVAILABLE, "unloaded"
+            log.info("model %s unloaded (versions %s)", name, ", ".join(str(v) for v in sorted(entry.versions)) or
+                     "none")
 
     async def _retire(self, sv: ServedVersion, drain: bool, forget: bool = True) -> None:
         """Stop serving ``sv``; ``forget``: set it not ready and drop its other gauges (not when a reload's new

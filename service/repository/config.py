@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool, StrictInt, Tag, ValidationError
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Strict, StrictBool, StrictInt, Tag,
+                      ValidationError)
 from pydantic_core import PydanticCustomError
 
 from ..errors import InvalidInput
@@ -33,7 +34,7 @@ def _refuse_bool(expected: str) -> BeforeValidator:
 
 # Strict: "8" and 8.0 are typos of 8 in a file people edit, refused as the field names are
 Integer = Annotated[StrictInt, _refuse_bool("an integer")]
-Number = Annotated[float, _refuse_bool("a number"), Finite]
+Number = Annotated[float, _refuse_bool("a number"), Finite, Strict()]  # "60" too: a typo of 60, as above
 # version numbers (>= 1), at least one: an empty list loaded "successfully" into a model with no version
 VersionList = Annotated[list[Annotated[Integer, Field(ge=1)]], Field(min_length=1)]
 # Tagged so an error names one branch ("version_policy.list.0: ..."), not both in pydantic's internal spelling.
@@ -108,6 +109,15 @@ class ModelConfig(BaseModel):
 CONFIG_LIMIT = 1 << 20  # a config is a few settings; more is not one
 
 
+def _no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are each given once: a setting written twice was served with its last value."""
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise InvalidInput(f"sets {', '.join(repr(k) for k in twice)} more than once; keep one")
+    return dict(pairs)
+
+
 def load_config(model_dir: str | Path) -> ModelConfig:
     """Read ``model_dir/config.json`` (defaults when absent); errors name the field to fix."""
     path = Path(model_dir) / "config.json"
@@ -115,11 +125,13 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         return ModelConfig()
     raw = read_regular(path, str(path), "make it a readable JSON file of settings", CONFIG_LIMIT)
     try:
-        data = json.loads(raw.decode("utf-8"))
+        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_repeats)
     except RecursionError:
         raise InvalidInput(f"{path} nests too deep to be a config; it holds one JSON object of settings") from None
     except ValueError as exc:  # UnicodeDecodeError too
         raise InvalidInput(f"{path} is not valid JSON: {exc}") from exc
+    except InvalidInput as exc:  # a key given twice
+        raise InvalidInput(f"{path} {exc.message}") from None
     if not isinstance(data, dict):
         raise InvalidInput(f"{path} must hold a JSON object of settings")
     try:

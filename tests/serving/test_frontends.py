@@ -116,8 +116,11 @@ def test_front_ends_serve_a_reloaded_model_with_its_new_weights(frontends_server
     make_model(*LSTM, seed=7).save(repo, "lstm", 2)
     v2 = create_engine(load_model(repo / "lstm", 2), "cpu").forward(x).output
     assert not np.allclose(v1, v2)
+    assert _successes(http) - before == answered  # each request counted once, retried or not
     with th.InferenceServerClient(http) as hc:
         hc.load_model("lstm")  # version_policy latest: version 2 replaces version 1
+    # version 1 left the index, and its series with it (ServerMetrics.drop_version): count version 2's
+    before, answered = 0, 0
     for k in range(4):
         with th.InferenceServerClient(http) as hc, tg.InferenceServerClient(grpc) as gc:
             res = hc.infer("lstm", [_http_input(x)])

@@ -98,6 +98,8 @@ async def test_unknown_route_is_json_404(repo):
     ("GET", "/v2/trace/setting", "trace extension"),
     ("POST", "/v2/models/lstm/trace/setting", "trace extension"),
     ("GET", "/v2/logging", "logging extension (GET /v2/logging); set the log level"),
+    ("POST", "/v2/models/lstm/generate", "generate extension (POST /v2/models/lstm/generate); recurrent models"),
+    ("POST", "/v2/models/lstm/versions/1/generate_stream", "generate extension"),
 ])
 async def test_tritons_unserved_extensions_are_501_saying_what_instead(repo, method, path, words):
     async with rest_client(repo) as (client, _):
@@ -804,3 +806,73 @@ async def test_a_repository_whose_models_all_failed_is_not_ready_until_one_loads
         assert (await client.post("/v2/repository/models/lstm/load")).status_code == 200
         assert (await client.get("/v2/health/ready")).status_code == 200
         assert (await client.post("/v2/models/lstm/infer", json={"inputs": [_inp()]})).status_code == 200
+
+
+async def test_the_series_of_a_version_that_leaves_the_index_go_with_it(repo):
+    """Counters and histograms of retired versions stayed until a restart: /metrics grew ~100 series a rollout. A
+    version that comes back later counts afresh, not into the removed series."""
+    x = np.ones((1, 2, 4), np.float32)
+    async with rest_client(repo) as (client, dataplane):
+        assert (await client.post("/v2/models/lstm/infer", json=_infer_body(x))).status_code == 200
+        assert 'model="lstm",version="1"' in (await client.get("/metrics")).text
+        for rollout in (2, 3):  # a new version, then the old folder deleted
+            make_model(*LSTM, seed=rollout).save(repo, "lstm", rollout)
+            assert (await client.post("/v2/repository/models/lstm/load")).status_code == 200
+            shutil.rmtree(repo / "lstm" / str(rollout - 1))
+            r = await client.post("/v2/models/lstm/infer", json=_infer_body(x))
+            assert r.json()["model_version"] == str(rollout)
+            metrics = (await client.get("/metrics")).text
+            assert f'model="lstm",version="{rollout - 1}"' not in metrics, rollout
+            assert metric_value(dataplane, "rnnserve_requests_total", model="lstm", version=str(rollout),
+                                outcome="success") == 1
+        # version 2 again: its counts start from what it now serves
+        make_model(*LSTM, seed=2).save(repo, "lstm", 2)
+        write_config(repo, "lstm", version_policy=[2])
+        assert (await client.post("/v2/repository/models/lstm/load")).status_code == 200
+        for _ in range(2):
+            assert (await client.post("/v2/models/lstm/infer", json=_infer_body(x))).status_code == 200
+        assert metric_value(dataplane, "rnnserve_requests_total", model="lstm", version="2", outcome="success") == 2
+        assert 'model="lstm",version="3"' not in (await client.get("/metrics")).text
+        # a deleted and unloaded model takes every series with it, those counted before it had a version too
+        assert (await client.post("/v2/models/gru_bi/versions/9/infer", json=_infer_body(x))).status_code == 404
+        assert 'model="gru_bi"' in (await client.get("/metrics")).text
+        shutil.rmtree(repo / "gru_bi")
+        assert (await client.post("/v2/repository/models/gru_bi/unload")).status_code == 200
+        await client.post("/v2/repository/index")
+        assert 'model="gru_bi"' not in (await client.get("/metrics")).text
+
+
+async def test_infer_takes_the_version_query_parameter_the_docs_list(repo):
+    """/docs lists ?version= on POST /v2/models/{model}/infer, as on the other model routes; infer ignored it."""
+    make_model(*LSTM, seed=12).save(repo, "lstm", 2)
+    write_config(repo, "lstm", version_policy="all")
+    x = np.ones((1, 2, 4), np.float32)
+    async with rest_client(repo) as (client, _):
+        spec = (await client.get("/openapi.json")).json()
+        params = spec["paths"]["/v2/models/{model}/infer"]["post"].get("parameters", [])
+        assert any(p["name"] == "version" and p["in"] == "query" for p in params)
+        r = await client.post("/v2/models/lstm/infer?version=1", json=_infer_body(x))
+        assert r.status_code == 200 and r.json()["model_version"] == "1"
+        r = await client.post("/v2/models/lstm/infer", json=_infer_body(x))
+        assert r.json()["model_version"] == "2"
+        r = await client.post("/v2/models/lstm/infer?version=7", json=_infer_body(x))
+        assert r.status_code == 404 and "has no version '7'" in r.json()["error"]
+
+
+
+async def test_the_openapi_examples_run_on_the_bundled_models():
+    """The /docs examples had 3 features a step: sent as they are to the bundled models, they got 400."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2] / "models"
+    async with rest_client(repo) as (client, _):
+        spec = (await client.get("/openapi.json")).json()
+        infer = spec["paths"]["/v2/models/{model}/infer"]["post"]["requestBody"]["content"]["application/json"]
+        for example in infer["examples"].values():
+            r = await client.post("/v2/models/forecaster/infer", json=example["value"])
+            assert r.status_code == 200, r.text
+        predict = spec["paths"]["/v1/models/{model}:predict"]["post"]["requestBody"]["content"]["application/json"]
+        for example in predict["schema"]["examples"]:
+            r = await client.post("/v1/models/forecaster:predict", json=example)
+            assert r.status_code == 200, r.text
+        assert "text/plain" in spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]

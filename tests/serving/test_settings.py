@@ -144,3 +144,16 @@ def test_an_empty_repository_setting_and_upper_case_choices(monkeypatch):
     # gRPC takes its message limit as a C int: a larger one failed at its start with no setting named
     with pytest.raises(InvalidInput, match="--max-request-bytes: Input should be less than or equal to 2147483647"):
         ServeSettings.from_args(["--max-request-bytes", "3000000000"])
+
+
+def test_config_json_numbers_are_numbers_and_keys_are_given_once(tmp_path):
+    """"60" was taken for 60 seconds where "8" is refused for 8 requests; a key given twice served its last value."""
+    from service.repository.config import load_config
+
+    for body, words in (('{"stream_idle_timeout_s": "60"}', "stream_idle_timeout_s: Input should be a valid number"),
+                        ('{"max_batch_size": 4, "max_batch_size": 8}', "sets 'max_batch_size' more than once")):
+        (tmp_path / "config.json").write_text(body)
+        with pytest.raises(InvalidInput, match=words):
+            load_config(tmp_path)
+    (tmp_path / "config.json").write_text('{"stream_idle_timeout_s": 60, "max_batch_size": 8}')
+    assert load_config(tmp_path).stream_idle_timeout_s == 60.0

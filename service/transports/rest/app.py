@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import __version__
@@ -36,11 +36,13 @@ _INFER_BODY = {
             "application/json": {
                 "schema": {"type": "object"},
                 "examples": {
-                    "json": {"summary": "two sequences, the second 1 step long", "value": {
+                    # one feature a step: what the bundled forecaster takes, so the example runs as it is
+                    "json": {"summary": "two sequences of one feature, the second 1 step long (the forecaster)",
+                             "value": {
                         "inputs": [
-                            {"name": "input", "datatype": "FP32", "shape": [2, 2, 3],
-                             "data": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0, 0, 0]},
-                            {"name": "lengths", "datatype": "INT32", "shape": [2], "data": [2, 1]}],
+                            {"name": "input", "datatype": "FP32", "shape": [2, 3, 1],
+                             "data": [0.0, 0.2, 0.39, 0.9, 0.0, 0.0]},
+                            {"name": "lengths", "datatype": "INT32", "shape": [2], "data": [3, 1]}],
                         "outputs": [{"name": "output_last"}]}},
                 },
             },
@@ -91,7 +93,8 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
         ok = await dataplane.live()
         return JSONResponse({"live": ok}, status_code=200 if ok else 503)
 
-    @app.get("/v2/health/ready", tags=["health"], summary="Server readiness (every loadable model is ready)")
+    @app.get("/v2/health/ready", tags=["health"], summary="Server readiness: every model folder tried at the start, and a version serves (or the repository "
+                          "had no model)")
     async def ready() -> JSONResponse:
         ok = await dataplane.ready()
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
@@ -174,7 +177,7 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
         await dataplane.unload_model(model)
         return {}
 
-    @app.get("/metrics", tags=["metrics"], summary="Prometheus metrics")
+    @app.get("/metrics", tags=["metrics"], summary="Prometheus metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(await dataplane.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
@@ -190,6 +193,9 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
             app.add_api_route(path, refuse(extension), methods=["GET", "POST"], include_in_schema=False)
     for path in ("/v2/models/{model}/trace/setting", "/v2/models/{model}/versions/{version}/trace/setting"):
         app.add_api_route(path, refuse("trace"), methods=["GET", "POST"], include_in_schema=False)
+    for call in ("generate", "generate_stream"):  # Triton's generate extension (LLMs)
+        for path in (f"/v2/models/{{model}}/{call}", f"/v2/models/{{model}}/versions/{{version}}/{call}"):
+            app.add_api_route(path, refuse("generate"), methods=["POST"], include_in_schema=False)
 
     return InferFastPath(app, dataplane, limits, gate, close=lambda: helper.close(wait=True))
 

@@ -122,8 +122,9 @@ class InferFastPath:
                 await self.app(scope, receive, send)
             return
         try:
-            response = await infer_response(self.dataplane, Request(scope, receive), match["model"],
-                                            match["version"] or "", self.limits, self.gate)
+            version = match["version"] or (_query_version(scope["query_string"]) if scope["query_string"] else "")
+            response = await infer_response(self.dataplane, Request(scope, receive), match["model"], version,
+                                            self.limits, self.gate)
         except RNNServeError as exc:
             response = error_response(exc)
         except asyncio.CancelledError:
@@ -157,3 +158,11 @@ class InferFastPath:
         if task is not None:
             task.uncancel()
         return error_response(self._cut_off)
+
+
+def _query_version(query: bytes) -> str:
+    """``?version=N`` of a path without one: the other model routes take it so (FastAPI, and /docs lists it), and
+    infer served the latest version instead of the one asked for."""
+    from urllib.parse import parse_qs
+
+    return parse_qs(query.decode("latin-1")).get("version", [""])[-1]

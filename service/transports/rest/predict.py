@@ -25,8 +25,8 @@ class PredictRequest(BaseModel):
     """Sequences to run, each a list of feature vectors (lengths may differ)."""
 
     model_config = ConfigDict(json_schema_extra={"examples": [
-        {"instances": [[[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]], [[0.7, 0.8, 0.9]]]},
-        {"instances": [[[0.1, 0.2, 0.3]]], "outputs": ["output_last", "h_n"]},
+        {"instances": [[[0.0], [0.2], [0.39]], [[0.9]]]},  # the bundled forecaster takes one feature a step
+        {"instances": [[[0.0], [0.2]]], "outputs": ["output_last", "h_n"]},
     ]})
 
     # Strict: JSON numbers only (lax mode would read true as 1.0 and "2.5" as 2.5).
