@@ -32,8 +32,8 @@ OTHER_VARIABLES = frozenset({"RNNSERVE_CUDNN_LIBRARY", "RNNSERVE_NATIVE_CPU"})
 # RNNSERVE_PORT=tcp://..., RNNSERVE_PORT_8000_TCP[_PROTO|_PORT|_ADDR]. They are not settings, nor misspelt ones.
 _SERVICE_LINK = re.compile(r"RNNSERVE_(?:\w+_)?(?:SERVICE_(?:HOST|PORT(?:_\w+)?)"
                            r"|PORT_\d+_(?:TCP|UDP|SCTP)(?:_(?:PROTO|PORT|ADDR))?)")
-MAX_MESSAGE_BYTES = 2**31 - 1  # gRPC takes its message limits as a C int
 _SERVICE_LINK_PORT = re.compile(r"RNNSERVE_(?:\w+_)?PORT")  # with a value tcp://IP:PORT
+MAX_MESSAGE_BYTES = 2**31 - 1  # gRPC takes its message limits as a C int
 
 
 class ServeSettings(BaseSettings):

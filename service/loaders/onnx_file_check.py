@@ -44,15 +44,11 @@ def whole_file_check(path: Path, index: GraphIndex, chain: list[NodeProto], stac
     ``stack_is_graph``: no op outside the recurrent stack computes on the inputs' values (the loader's finding).
     """
     def check(ours: OursRunner) -> dict:
-        nonlocal rtol, atol
         import onnxruntime as ort
 
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = 1
-        opts.inter_op_num_threads = 1
-        opts.log_severity_level = 4  # its warnings about the file's shapes say what the error below says
         try:
-            session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+            # severity 4: its warnings about the file's shapes say what the error below says
+            session = ort.InferenceSession(str(path), session_options(ort, 4), providers=["CPUExecutionProvider"])
         except Exception as exc:  # noqa: BLE001 - any refusal by the runtime is the file's to report
             if _unsupported(exc):  # valid ONNX that onnxruntime lacks a kernel for (e.g. layout=1 recurrent nodes)
                 return {"ran": False, "reason": f"onnxruntime does not support the file: {_last_line(exc)}"}
@@ -76,11 +72,11 @@ def whole_file_check(path: Path, index: GraphIndex, chain: list[NodeProto], stac
         if not direct:
             return record
         forms = _forms(ours, x, directions)
-        if x.dtype == np.float16:  # the file computes in float16
-            rtol, atol = max(rtol, 1e-2), max(atol, 1e-2)
+        # a float16 file computes in float16
+        tol = (max(rtol, 1e-2), max(atol, 1e-2)) if x.dtype == np.float16 else (rtol, atol)
         for name, k in sorted(direct.items()):
             got = np.asarray(outputs[name], np.float64)
-            if not any(_close(got, want, rtol, atol) for want in forms[k]):
+            if not any(_close(got, want, *tol) for want in forms[k]):
                 raise VerificationError(
                     f"onnxruntime's output '{name}' of the whole file '{path.name}' does not match the converted "
                     f"model on a probe batch (its recurrent nodes, rebuilt on their own, did): the graph around them "
@@ -90,6 +86,15 @@ def whole_file_check(path: Path, index: GraphIndex, chain: list[NodeProto], stac
         return record
 
     return check
+
+
+def session_options(ort: Any, log_level: int) -> Any:
+    """onnxruntime's options for a check: one thread (a probe is tiny), its log at ``log_level``."""
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.inter_op_num_threads = 1
+    opts.log_severity_level = log_level
+    return opts
 
 
 def _last_line(exc: Exception) -> str:

@@ -16,7 +16,7 @@ from onnx import NodeProto, TensorProto, helper, numpy_helper
 
 from ..errors import ConversionError
 from .onnx_chain import find_edges, order_chain, recurrent_nodes
-from .onnx_file_check import whole_file_check
+from .onnx_file_check import session_options, whole_file_check
 from .onnx_graph import SHAPE_OPS, GraphIndex, read_model
 from .onnx_nodes import node_to_layer
 from .source import LoadedSource, SourceRunner, unserved_note
@@ -171,11 +171,7 @@ def _make_runner(index: GraphIndex, chain: list[NodeProto]) -> SourceRunner | No
 
     def run(x: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         if not session:
-            opts = ort.SessionOptions()
-            opts.intra_op_num_threads = 1
-            opts.inter_op_num_threads = 1
-            opts.log_severity_level = 3
-            session.append(ort.InferenceSession(model_bytes, opts, providers=["CPUExecutionProvider"]))
+            session.append(ort.InferenceSession(model_bytes, session_options(ort, 3), providers=["CPUExecutionProvider"]))
         xt = np.ascontiguousarray(np.asarray(x, np.float32).transpose(1, 0, 2))
         lens = np.asarray(lengths, np.int32)
         y = session[0].run(["Y"], {"X": xt, "sequence_lens": lens})[0]

@@ -104,7 +104,7 @@ def effective_config(model_dir: Path, defaults: dict[str, Any]) -> ModelConfig:
     return cfg.model_copy(update=update)
 
 
-def check_serving(served: "ServedVersion") -> "ServedVersion":
+def check_serving(served: ServedVersion) -> ServedVersion:
     """``served`` when it can run a request now, else Unavailable saying why (callers that count the refusal
     under its version first get the version, then call this)."""
     if served.state != ModelState.READY or served.scheduler is None:
