@@ -43,6 +43,9 @@ class StreamRequest:
     end: bool
 
 
+MAX_SEQUENCE_ID_CHARS = 1024
+
+
 def stream_request(parameters: dict[str, Any]) -> StreamRequest | None:
     """The request's stream from Triton's sequence_id/start/end parameters (id 0 or "" means none)."""
     seq = parameters.get("sequence_id")
@@ -53,6 +56,10 @@ def stream_request(parameters: dict[str, Any]) -> StreamRequest | None:
         return None
     if isinstance(seq, bool) or not isinstance(seq, (int, str)) or (isinstance(seq, int) and not 0 < seq < 2**64):
         raise InvalidInput(f"parameter 'sequence_id' must be a uint64 or a string, got {seq!r}")
+    if isinstance(seq, str) and len(seq) > MAX_SEQUENCE_ID_CHARS:
+        # the server keeps ended streams' ids to answer their late chunks: megabyte ids held gigabytes
+        raise InvalidInput(f"parameter 'sequence_id' is a string of {len(seq)} characters; at most "
+                           f"{MAX_SEQUENCE_ID_CHARS} (a key that names the stream, not data)")
     key = f"{seq}" if isinstance(seq, int) else f"'{seq}'"
     return StreamRequest(key, start, end)
 

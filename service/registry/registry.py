@@ -415,7 +415,10 @@ class ModelRegistry:
                                  max_batch_steps=sv.budget.max_steps, metrics=self.metrics)
         await sv.scheduler.start()
         sv.streams = StreamStore(sv.name, sv.label, cfg.max_streams, cfg.stream_idle_timeout_s,
-                                 engine.state_pool(cfg.max_streams), self.metrics)
+                                 # twice max_streams: a stream that ended keeps its slot while its chunks run, so
+                                 # a restart meanwhile (or a new stream) finds one; the store holds live streams to
+                                 # max_streams (a restart was refused, and its live stream ended all the same)
+                                 engine.state_pool(2 * cfg.max_streams), self.metrics)
         sv.streams.start()
         sv.state = ModelState.READY
         elapsed = time.perf_counter() - start

@@ -131,7 +131,7 @@ class StreamStore:
         self._sweeper = asyncio.create_task(self._sweep_loop(), name=f"streams-{self.model}-{self.version}")
 
     async def _sweep_loop(self) -> None:
-        period = min(1.0, self.idle_timeout_s / 4)
+        period = min(1.0, max(0.01, self.idle_timeout_s / 4))  # a tiny timeout spun a core with no stream
         while True:
             await asyncio.sleep(period)
             self._sweep(time.monotonic(), force=True)
@@ -147,12 +147,13 @@ class StreamStore:
                 # its sequence under the same id, after a crash or a reconnect, is not locked out until expiry);
                 # its chunks still waiting are refused, saying so.
                 log.warning("stream %s of model '%s' got a second sequence_start while live: the earlier stream "
-                            "ends early and a new one starts", key, self.model)
+                            "ends early and a new one starts", key if key.isprintable() else ascii(key), self.model)
                 self.close(state, "was restarted: a later chunk started the sequence again (sequence_start)",
                            "restart")
             if len(self._streams) >= self.max_streams:
                 raise Unavailable(f"model '{self.model}' has {len(self._streams)} live streams (max_streams "
-                                  f"{self.max_streams}); end finished streams with sequence_end or retry later")
+                                  f"{self.max_streams}, which holds in each engine process); end finished streams "
+                                  f"with sequence_end or retry later")
             state = self._streams[key] = StreamState(key, self.pool.acquire(), last_used=now)
             self._ended.pop(key, None)
             if self._metrics is not None:

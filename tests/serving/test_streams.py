@@ -109,7 +109,7 @@ async def test_stream_limits(repo):
         for k in (1, 2):
             assert (await client.post("/v2/models/lstm/infer", json=_chunk(x, k, True))).status_code == 200
         r = await client.post("/v2/models/lstm/infer", json=_chunk(x, 3, True))
-        assert r.status_code == 503 and "2 live streams (max_streams 2)" in r.json()["error"]
+        assert r.status_code == 503 and "2 live streams (max_streams 2," in r.json()["error"]
         await asyncio.sleep(1.3)
         assert (await client.post("/v2/models/lstm/infer", json=_chunk(x, 3, True))).status_code == 200
         r = await client.post("/v2/models/lstm/infer", json=_chunk(x, 1))
@@ -271,3 +271,32 @@ async def test_a_second_start_restarts_the_stream_and_refuses_its_waiting_chunks
         await held  # it had its turn: it runs and is answered
         after = await dataplane.infer(_request(x, 5, 3, 6, sequence_end=True))
     np.testing.assert_allclose(_answer_output([restarted, after]), engine.forward(x).output, atol=1e-5)
+
+
+async def test_a_restart_at_max_streams_while_its_chunk_runs_is_admitted(repo):
+    """At max_streams, a second sequence_start of a live stream whose chunk was still queued got 503 "all slots in
+    use" (the ended stream kept its slot while its chunk ran) and its live stream was ended all the same."""
+    x = np.random.default_rng(6).standard_normal((1, 6, 4)).astype(np.float32)
+    engine = create_engine(load_model(repo / "lstm"), "cpu")
+    write_config(repo, "lstm", max_streams=2, max_batch_size=8, max_queue_delay_us=300_000)
+    async with rest_client(repo) as (_, dataplane):
+        await dataplane.infer(_request(x, 5, 0, 2, sequence_start=True))
+        await dataplane.infer(_request(x, 6, 0, 2, sequence_start=True))
+        held = asyncio.ensure_future(dataplane.infer(_request(x, 5, 2, 4)))  # in the batch queue: holds a slot
+        await asyncio.sleep(0.05)
+        restarted = await dataplane.infer(_request(x, 5, 0, 3, sequence_start=True))
+        await held
+        after = await dataplane.infer(_request(x, 5, 3, 6, sequence_end=True))
+        np.testing.assert_allclose(_answer_output([restarted, after]), engine.forward(x).output, atol=1e-5)
+        await dataplane.infer(_request(x, 7, 0, 2, sequence_start=True))  # 6 and 7 live: the limit holds
+        with pytest.raises(Exception, match="2 live streams \\(max_streams 2"):
+            await dataplane.infer(_request(x, 8, 0, 2, sequence_start=True))
+
+
+async def test_a_string_sequence_id_is_a_short_key(repo):
+    """The ids of ended streams are kept to answer their late chunks: a megabyte id held a megabyte each."""
+    x = np.zeros((1, 2, 4), np.float32)
+    async with rest_client(repo) as (client, _):
+        r = await client.post("/v2/models/lstm/infer", json=_chunk(x, "k" * 1025, True))
+        assert r.status_code == 400 and "'sequence_id' is a string of 1025 characters; at most 1024" in r.json()["error"]
+        assert (await client.post("/v2/models/lstm/infer", json=_chunk(x, "k" * 1024, True, True))).status_code == 200

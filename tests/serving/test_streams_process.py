@@ -246,7 +246,7 @@ def test_max_streams_and_idle_expiry(server):
         for sid in (1, 2):
             infer(client, "lstm_short", x, sid, start=True)
         expect_error(lambda: infer(client, "lstm_short", x, 3, start=True), "503", "StatusCode.UNAVAILABLE",
-                     "model 'lstm_short' has 2 live streams (max_streams 2)")
+                     "model 'lstm_short' has 2 live streams (max_streams 2, which holds in each engine process)")
         grpc_client = server.client("grpc")
         expect_error(lambda: infer(grpc_client, "lstm_short", x, 4, start=True), "503", "StatusCode.UNAVAILABLE",
                      "max_streams 2")
