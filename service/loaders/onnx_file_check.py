@@ -33,7 +33,8 @@ OursRunner = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray | None, np.ndar
 # Probe sizes for dynamic batch and time axes: unequal, so a layout mistake cannot match by its shape alone.
 _PROBE_B, _PROBE_T = 3, 5
 _FLOATS = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16}
-_INTS = {"tensor(int32)": np.int32, "tensor(int64)": np.int64, "tensor(bool)": np.bool_}
+_INTS = {f"tensor({t})": np.dtype(t) for t in ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
+                                                 "uint64", "bool")}
 
 
 def whole_file_check(path: Path, index: GraphIndex, chain: list[NodeProto], stack_is_graph: bool,
@@ -62,8 +63,9 @@ def whole_file_check(path: Path, index: GraphIndex, chain: list[NodeProto], stac
             if _unsupported(exc):
                 return {"ran": False, "reason": f"onnxruntime does not support the file: {_last_line(exc)}"}
             if guessed:  # the probe may be what is wrong, not the file
-                return {"ran": False, "reason": f"onnxruntime did not run it on a probe whose sizes for the inputs "
-                                                f"{', '.join(guessed)} rnnserve had to guess: {_last_line(exc)}"}
+                return {"ran": False, "reason": f"onnxruntime did not run it on rnnserve's probe, whose sizes or types "
+                                                f"for the inputs {', '.join(guessed)} may not fit the file: "
+                                                f"{_last_line(exc)}"}
             raise _refused(path, index, "run", exc) from exc
         record: dict[str, Any] = {"ran": True, "compared": []}
         if x is None:
@@ -110,14 +112,26 @@ def _unsupported(exc: Exception) -> bool:
 def _refused(path: Path, index: GraphIndex, what: str, exc: Exception) -> VerificationError:
     first = _last_line(exc)
     hint = ""
-    producer = index.model.producer_name.lower()
-    if "torch" in producer and "initial_" in first:
-        hint = (" (torch.onnx.export's dynamo exporter writes an nn.LSTM with proj_size wrongly, without its "
-                "projection: convert the PyTorch module's state dict or TorchScript file instead)")
+    if _state_wider_than_node(index):
+        hint = (" (an initial state wider than its node's hidden_size: torch.onnx.export's dynamo exporter writes an "
+                "nn.LSTM with proj_size so, without its projection; convert the PyTorch module's state dict or "
+                "TorchScript file instead)")
     return VerificationError(
         f"onnxruntime cannot {what} the file '{path.name}' itself ({type(exc).__name__}: {first}), so the conversion "
         f"cannot be checked against it; the file is likely invalid: export it again{hint}. --no-verify converts its "
         f"recurrent nodes unchecked")
+
+
+def _state_wider_than_node(index: GraphIndex) -> bool:
+    """Whether a recurrent node has a constant initial_h or initial_c whose width is not its hidden_size."""
+    for node in index.nodes:
+        if node.op_type in ("LSTM", "GRU", "RNN"):
+            hidden = index.attr(node, "hidden_size")
+            for slot in (5, 6):
+                value = index.constant(node.input[slot]) if len(node.input) > slot and node.input[slot] else None
+                if value is not None and value.ndim == 3 and value.shape[-1] != hidden:
+                    return True
+    return False
 
 
 def _stack_input(index: GraphIndex, first: NodeProto) -> str | None:
@@ -188,19 +202,26 @@ def _feeds(inputs: list, index: GraphIndex, chain: list[NodeProto], x_name: str 
     if x_meta is not None:
         x = rng.standard_normal(shape_of(x_meta, (_PROBE_B, _PROBE_T, input_size))).astype(_FLOATS[x_meta.type])
         feeds[x_meta.name] = x
+    x_chosen = x_meta is not None and any(not (isinstance(d, int) and d > 0) for d in x_meta.shape)
     lengths_inputs = _lengths_inputs(index, chain)
     for meta in inputs:
         if meta.name in feeds:
             continue
         shape = shape_of(meta)
-        if meta.type in _FLOATS:
+        if x_chosen and any(isinstance(d, int) and d > 0 for d in meta.shape) and meta.name not in guessed:
+            # fixed sizes beside the sizes chosen for x (states exported at the example's batch): may not fit
+            guessed.append(meta.name)
+        if meta.type not in _FLOATS and meta.type not in _INTS:
+            guessed.append(meta.name)  # a type the probe does not make (strings, bfloat16): fed as the file allows
+            feeds[meta.name] = np.zeros(shape, object if meta.type == "tensor(string)" else np.float32)
+        elif meta.type in _FLOATS:
             feeds[meta.name] = np.zeros(shape, _FLOATS[meta.type])  # initial states and the like: zeros
         elif meta.name in lengths_inputs and x is not None:
             # full lengths: the batch axis is the x axis of the same size, time the other one
             steps = x.shape[1] if shape and shape[0] == x.shape[0] else x.shape[0]
-            feeds[meta.name] = np.full(shape, steps, _INTS.get(meta.type, np.int64))
+            feeds[meta.name] = np.full(shape, steps, _INTS[meta.type])
         else:
-            feeds[meta.name] = np.ones(shape, _INTS.get(meta.type, np.int64))  # lengths, token ids: 1 is valid
+            feeds[meta.name] = np.ones(shape, _INTS[meta.type])  # lengths, token ids, flags: 1 is valid
     return feeds, x, guessed
 
 

@@ -58,8 +58,9 @@ def load_onnx(path: Path, select: str | None = None, cell: str | None = None, **
                                       f"{_node(chain, layer.name, index).op_type} ({layer.cell})")
     # ops that see only shapes (an exporter's arithmetic on Shape) compute nothing a client would have to apply
     flowing = index.input_values()
-    others = sorted({n.op_type for n in index.nodes if n.op_type not in _PLUMBING and n.op_type not in
-                     ("LSTM", "GRU", "RNN") and any(o in flowing for o in n.output)})
+    upstream = _before_recurrent_nodes(index)
+    others = sorted({n.op_type for n in index.nodes if n.op_type not in ("LSTM", "GRU", "RNN")
+                     and any(o in flowing for o in n.output) and _computes_on_values(n, upstream)})
     stack_is_graph = not others and len(candidates) == len(chain)
     if not stack_is_graph:
         notes.append(unserved_note("the recurrent stack " + " -> ".join(index.name(n) for n in chain), "graph",
@@ -76,6 +77,30 @@ def load_onnx(path: Path, select: str | None = None, cell: str | None = None, **
             path, index, chain, stack_is_graph, layers[0].input_size, len(layers[-1].directions), RTOL, ATOL),
         details={"onnx_opset": index.opset(), **({"onnx_producer": producer} if producer else {})},
     )
+
+
+def _computes_on_values(node: NodeProto, upstream: set[str]) -> bool:
+    """Whether ``node`` changes what it is given, as opposed to moving values (shape ops) or computing shapes.
+    Gather, Slice, Expand and Concat do either: on a graph input's values before the recurrent stack (``upstream``)
+    they change what the stack reads (reversing time, dropping steps); elsewhere they compute shapes or gather the
+    stack's own outputs (the layers' final states joined into h_n), which rnnserve serves."""
+    if node.op_type in SHAPE_OPS or node.op_type in ("Constant", "Shape", "ConstantOfShape"):
+        return False
+    if node.op_type in ("Gather", "Slice", "Expand"):
+        return bool(node.input) and node.input[0] in upstream
+    if node.op_type == "Concat":
+        return any(i in upstream for i in node.input)
+    return True
+
+
+def _before_recurrent_nodes(index: GraphIndex) -> set[str]:
+    """Values that graph inputs' values flow into before any recurrent node (Shape cuts the flow, as do the
+    recurrent nodes), in one pass over the nodes in graph order."""
+    flowing = set(index.graph_inputs)
+    for node in index.nodes:
+        if node.op_type not in ("Shape", "LSTM", "GRU", "RNN") and any(i in flowing for i in node.input):
+            flowing.update(o for o in node.output if o)
+    return flowing
 
 
 def model_producer(index: GraphIndex) -> str:

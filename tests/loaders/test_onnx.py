@@ -687,4 +687,48 @@ def test_a_probe_with_guessed_sizes_that_does_not_run_leaves_the_check_to_the_no
     path = _save(tmp_path, [node], [w, r, b], [_f("X", ["T", "N", 4]), lens], [_f("y")])
     ver = convert(path).provenance["verification"]
     assert ver["checked"] and ver["whole_file"]["ran"] is False
-    assert "guess" in ver["whole_file"]["reason"] and "lens" in ver["whole_file"]["reason"]
+    assert "may not fit the file" in ver["whole_file"]["reason"] and "lens" in ver["whole_file"]["reason"]
+
+
+
+def test_state_inputs_exported_at_a_fixed_batch_leave_the_check_to_the_nodes(tmp_path):
+    """torch.onnx.export (dynamo=False) of a module taking h0 with dynamic axes on x only: h0 keeps the example's
+    batch. The probe's batch for x does not fit it; that is the probe's doing, and the file was refused as broken."""
+    torch.manual_seed(0)
+
+    class WithState(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = torch.nn.GRU(4, 6, batch_first=True)
+
+        def forward(self, x, h0):
+            return self.rnn(x, h0)[0]
+
+    path = tmp_path / "gru_h0.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(WithState().eval(), (torch.randn(2, 7, 4), torch.zeros(1, 2, 6)), str(path), dynamo=False,
+                          input_names=["x", "h0"], dynamic_axes={"x": {0: "batch", 1: "time"}})
+    ver = convert(path).provenance["verification"]
+    assert ver["checked"] and ver["whole_file"]["ran"] is False and "h0" in ver["whole_file"]["reason"]
+
+
+def test_inputs_of_other_types_are_fed_their_own_type(tmp_path):
+    w, r, b = _weights("", "LSTM", 4, 3)
+    node = helper.make_node("LSTM", ["X", "W", "R", "B"], ["y"], hidden_size=3)
+    flag = helper.make_tensor_value_info("flag", TensorProto.UINT8, [1])  # read by nothing the stack needs
+    path = _save(tmp_path, [node], [w, r, b], [_f("X", ["T", "N", 4]), flag], [_f("y")])
+    assert convert(path).provenance["verification"]["whole_file"] == {"ran": True, "compared": ["y"]}
+
+
+def test_a_gather_on_the_input_before_the_stack_is_named_as_not_served(tmp_path):
+    """X reversed in time by a Gather before the LSTM: Gather counted as shape plumbing, so the model served
+    (which does not reverse time) was converted with no note and nothing compared."""
+    w, r, b = _weights("", "LSTM", 4, 3)
+    steps = numpy_helper.from_array(np.arange(4, dtype=np.int64)[::-1].copy(), "steps")
+    nodes = [helper.make_node("Gather", ["X", "steps"], ["xr"], axis=0),
+             helper.make_node("LSTM", ["xr", "W", "R", "B"], ["y"], hidden_size=3)]
+    path = _save(tmp_path, nodes, [w, r, b, steps], [_f("X", [4, "N", 4])], [_f("y")])
+    model = convert(path)
+    assert any("also has Gather, which rnnserve does not serve" in n for n in model.provenance["notes"])
+    assert model.provenance["verification"]["whole_file"] == {"ran": True, "compared": []}
