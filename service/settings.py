@@ -147,6 +147,7 @@ class ServeSettings(BaseSettings):
         parser = build_serve_parser()
         args = parser.parse_args(argv)
         overrides = {k: v for k, v in vars(args).items() if v is not None}
+        _drop_service_links_named_as_settings()
         _refuse_unknown_variables()
         try:
             settings = cls(**overrides)
@@ -171,6 +172,19 @@ def _service_link(var: str, value: str) -> bool:
     if _SERVICE_LINK.fullmatch(var):
         return True
     return bool(_SERVICE_LINK_PORT.fullmatch(var)) and value.startswith(("tcp://", "udp://", "sctp://"))
+
+
+def _drop_service_links_named_as_settings() -> None:
+    """A Service named rnnserve-http (or rnnserve-grpc) makes Kubernetes set RNNSERVE_HTTP_PORT=tcp://IP:PORT, the
+    name of a setting: such a value is no port number but a service link, and is set aside, with a line saying so."""
+    import os
+    import sys
+
+    for var in [v for v in os.environ if v.startswith("RNNSERVE_") and v.endswith("_PORT")]:
+        if _service_link(var, os.environ[var]):
+            print(f"rnnserve: ignoring {var}={os.environ[var]}: a Kubernetes service link (of a Service named "
+                  f"{var[:-5].lower().replace('_', '-')}), not a port number", file=sys.stderr)
+            del os.environ[var]
 
 
 def _refuse_unknown_variables() -> None:

@@ -133,6 +133,7 @@ class ModelRegistry:
         self._models: dict[str, ModelEntry] = {}
         self._scanned = False  # the startup scan has listed the repository's folders (as LOADING)
         self._had_models = False  # it found folders named as models
+        self._waiting_for_a_model = False  # it found some and loaded none: not ready until one loads
         self._started = False
 
     # ---- queries -------------------------------------------------------------------------------
@@ -144,12 +145,16 @@ class ModelRegistry:
         repository stops at its first pod and a load balancer sends it nothing (Triton stops at start there). It
         turns ready when a model loads through the API. A repository with no model folder at the start is ready
         (models are added and loaded through the API later). Beyond that, loads and unloads do not flip it: old
-        versions keep serving during a reload, and an unloaded model is not loadable.
+        versions keep serving during a reload, and an unloaded model is not loadable (a server whose operator
+        unloaded every model stays ready, so that the repository API stays reachable through its Service).
         """
         if not self._started:
             return False
-        return not self._had_models or any(sv.state == ModelState.READY for entry in self._models.values()
-                                           for sv in entry.versions.values())
+        if self._waiting_for_a_model:  # the start found model folders and loaded none
+            if not any(sv.state == ModelState.READY for entry in self._models.values() for sv in entry.versions.values()):
+                return False
+            self._waiting_for_a_model = False  # from now on, unloading every model is the operator's choice
+        return True
 
     def names(self) -> list[str]:
         return sorted(self._models)
@@ -243,6 +248,7 @@ class ModelRegistry:
         finally:
             self._started = True
         serving = [e.name for e in self._models.values() if e.state == ModelState.READY]
+        self._waiting_for_a_model = self._had_models and not serving
         if not self._had_models:
             log.warning("model repository %s holds no model folder: the server is ready and serves nothing until "
                         "models are added and loaded (POST /v2/repository/models/NAME/load)", self.repository)

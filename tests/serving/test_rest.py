@@ -876,3 +876,11 @@ async def test_the_openapi_examples_run_on_the_bundled_models():
             r = await client.post("/v1/models/forecaster:predict", json=example)
             assert r.status_code == 200, r.text
         assert "text/plain" in spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+
+
+async def test_unloading_every_model_keeps_the_server_ready(repo):
+    """Not ready would take the pod out of its Service, and with it the repository API to load a model again."""
+    async with rest_client(repo) as (client, _):
+        for name in ("lstm", "gru_bi"):
+            assert (await client.post(f"/v2/repository/models/{name}/unload")).status_code == 200
+        assert (await client.get("/v2/health/ready")).status_code == 200

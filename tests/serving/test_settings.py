@@ -125,6 +125,12 @@ def test_kubernetes_service_link_variables_are_not_refused(monkeypatch):
     for var, value in links.items():
         monkeypatch.setenv(var, value)
     assert ServeSettings.from_args([]).http_port == 8000
+    # a Service named rnnserve-http: its link has the name of the setting, and a tcp:// value
+    monkeypatch.setenv("RNNSERVE_HTTP_PORT", "tcp://10.96.0.9:8000")
+    monkeypatch.setenv("RNNSERVE_HTTP_SERVICE_HOST", "10.96.0.9")
+    assert ServeSettings.from_args([]).http_port == 8000
+    monkeypatch.setenv("RNNSERVE_HTTP_PORT", "9000")
+    assert ServeSettings.from_args([]).http_port == 9000
     monkeypatch.setenv("RNNSERVE_HTPP_PORT", "9000")  # not a link: its value is no tcp:// address
     with pytest.raises(InvalidInput, match="RNNSERVE_HTPP_PORT is not a setting .*did you mean RNNSERVE_HTTP_PORT"):
         ServeSettings.from_args([])
