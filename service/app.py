@@ -139,7 +139,9 @@ class Transports:
             sock.close()
             raise RNNServeError(f"the gRPC server could not start: {exc}") from exc
         rest_app = create_rest_app(dataplane, settings.max_request_bytes, settings.body_timeout_s)
-        config = uvicorn.Config(rest_app, lifespan="off",
+        # log_config None: uvicorn's own lines ("Invalid HTTP request received", its access lines at debug) go
+        # through rnnserve's handler and format, not its own "INFO:     " ones
+        config = uvicorn.Config(rest_app, lifespan="off", log_config=None,
                                 log_level=settings.log_level, access_log=settings.log_level == "debug",
                                 timeout_graceful_shutdown=settings.drain_timeout_s)
         http = _UvicornServer(config)
