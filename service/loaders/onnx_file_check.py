@@ -55,18 +55,22 @@ def whole_file_check(path: Path, index: GraphIndex, chain: list[NodeProto], stac
                 return {"ran": False, "reason": f"onnxruntime does not support the file: {_last_line(exc)}"}
             raise _refused(path, index, "load", exc) from exc
         x_name = _stack_input(index, chain[0]) if stack_is_graph else None
-        feeds, x, guessed = _feeds(session.get_inputs(), index, chain, x_name, input_size)
         names = [o.name for o in session.get_outputs()]
-        try:
-            outputs = dict(zip(names, session.run(names, feeds)))
-        except Exception as exc:  # noqa: BLE001
-            if _unsupported(exc):
-                return {"ran": False, "reason": f"onnxruntime does not support the file: {_last_line(exc)}"}
-            if guessed:  # the probe may be what is wrong, not the file
-                return {"ran": False, "reason": f"onnxruntime did not run it on rnnserve's probe, whose sizes or types "
-                                                f"for the inputs {', '.join(guessed)} may not fit the file: "
-                                                f"{_last_line(exc)}"}
-            raise _refused(path, index, "run", exc) from exc
+        for sizes in _probe_sizes(session.get_inputs(), x_name):
+            feeds, x, guessed = _feeds(session.get_inputs(), index, chain, x_name, input_size, sizes)
+            try:
+                outputs = dict(zip(names, session.run(names, feeds)))
+                break
+            except Exception as exc:  # noqa: BLE001
+                if _unsupported(exc):
+                    return {"ran": False, "reason": f"onnxruntime does not support the file: {_last_line(exc)}"}
+                if not guessed:
+                    raise _refused(path, index, "run", exc) from exc
+                failure = exc  # the probe may be what is wrong, not the file: the next sizes, if any
+        else:
+            return {"ran": False, "reason": f"onnxruntime did not run it on rnnserve's probe, whose sizes or types "
+                                            f"for the inputs {', '.join(guessed)} may not fit the file: "
+                                            f"{_last_line(failure)}"}
         record: dict[str, Any] = {"ran": True, "compared": []}
         if x is None:
             return record
@@ -169,8 +173,22 @@ def _lengths_inputs(index: GraphIndex, chain: list[NodeProto]) -> set[str]:
     return found
 
 
-def _feeds(inputs: list, index: GraphIndex, chain: list[NodeProto], x_name: str | None,
-           input_size: int) -> tuple[dict[str, np.ndarray], np.ndarray | None, list[str]]:
+def _probe_sizes(inputs: list, x_name: str | None) -> list[tuple[int, int]]:
+    """Sizes to try for the stack input's first two axes where the file leaves them open: (3, 5), then, where other
+    inputs fix a batch (states [D, B, H] or lengths [B] exported at the example's batch), that batch on either axis."""
+    tries = [(_PROBE_B, _PROBE_T)]
+    fixed = set()
+    for meta in inputs:
+        dims = [d if isinstance(d, int) and d > 0 else None for d in meta.shape]
+        if meta.name != x_name and len(dims) in (1, 3):
+            fixed.add(dims[0] if len(dims) == 1 else dims[1])
+    for b in sorted(d for d in fixed if d is not None):
+        tries += [(b, _PROBE_T), (_PROBE_T, b)]
+    return list(dict.fromkeys(tries))[:5]
+
+
+def _feeds(inputs: list, index: GraphIndex, chain: list[NodeProto], x_name: str | None, input_size: int,
+           sizes: tuple[int, int] = (_PROBE_B, _PROBE_T)) -> tuple[dict[str, np.ndarray], np.ndarray | None, list[str]]:
     """A probe value for every graph input, the stack's input as fed (None when the stack's input is not one
     float [*, *, I] graph input), and the inputs with a guessed size. Dims the file leaves open take the stack
     input's value for the same symbol; other open dims are guesses."""
@@ -178,7 +196,7 @@ def _feeds(inputs: list, index: GraphIndex, chain: list[NodeProto], x_name: str 
     symbols: dict[str, int] = {}
     x_meta = next((i for i in inputs if i.name == x_name and i.type in _FLOATS and len(i.shape) == 3), None)
     if x_meta is not None:
-        for dim, default in zip(x_meta.shape, (_PROBE_B, _PROBE_T, input_size)):
+        for dim, default in zip(x_meta.shape, (*sizes, input_size)):
             if not isinstance(dim, int) and dim:
                 symbols.setdefault(dim, default)
 
@@ -200,7 +218,7 @@ def _feeds(inputs: list, index: GraphIndex, chain: list[NodeProto], x_name: str 
     feeds: dict[str, np.ndarray] = {}
     x = None
     if x_meta is not None:
-        x = rng.standard_normal(shape_of(x_meta, (_PROBE_B, _PROBE_T, input_size))).astype(_FLOATS[x_meta.type])
+        x = rng.standard_normal(shape_of(x_meta, (*sizes, input_size))).astype(_FLOATS[x_meta.type])
         feeds[x_meta.name] = x
     x_chosen = x_meta is not None and any(not (isinstance(d, int) and d > 0) for d in x_meta.shape)
     lengths_inputs = _lengths_inputs(index, chain)
