@@ -58,7 +58,7 @@ def load_onnx(path: Path, select: str | None = None, cell: str | None = None, **
                                       f"{_node(chain, layer.name, index).op_type} ({layer.cell})")
     # ops that see only shapes (an exporter's arithmetic on Shape) compute nothing a client would have to apply
     flowing = index.input_values()
-    upstream = _before_recurrent_nodes(index)
+    upstream = _before_recurrent_nodes(index) & _feeding(index, chain[0].input[0])
     others = sorted({n.op_type for n in index.nodes if n.op_type not in ("LSTM", "GRU", "RNN")
                      and any(o in flowing for o in n.output) and _computes_on_values(n, upstream)})
     stack_is_graph = not others and len(candidates) == len(chain)
@@ -81,9 +81,10 @@ def load_onnx(path: Path, select: str | None = None, cell: str | None = None, **
 
 def _computes_on_values(node: NodeProto, upstream: set[str]) -> bool:
     """Whether ``node`` changes what it is given, as opposed to moving values (shape ops) or computing shapes.
-    Gather, Slice, Expand and Concat do either: on a graph input's values before the recurrent stack (``upstream``)
-    they change what the stack reads (reversing time, dropping steps); elsewhere they compute shapes or gather the
-    stack's own outputs (the layers' final states joined into h_n), which rnnserve serves."""
+    Gather, Slice, Expand and Concat do either: on a graph input's values on their way to the stack's X
+    (``upstream``) they change what the stack reads (reversing time, dropping steps); elsewhere they compute shapes,
+    split initial states per layer (what h_0/c_0 give), or join the stack's final states into h_n, which rnnserve
+    serves."""
     if node.op_type in SHAPE_OPS or node.op_type in ("Constant", "Shape", "ConstantOfShape"):
         return False
     if node.op_type in ("Gather", "Slice", "Expand"):
@@ -91,6 +92,19 @@ def _computes_on_values(node: NodeProto, upstream: set[str]) -> bool:
     if node.op_type == "Concat":
         return any(i in upstream for i in node.input)
     return True
+
+
+def _feeding(index: GraphIndex, name: str) -> set[str]:
+    """``name`` and every value it is computed from."""
+    seen, todo = set(), [name]
+    while todo:
+        value = todo.pop()
+        if value in seen or not value:
+            continue
+        seen.add(value)
+        if value in index.producer:
+            todo.extend(index.producer[value][0].input)
+    return seen
 
 
 def _before_recurrent_nodes(index: GraphIndex) -> set[str]:

@@ -733,3 +733,27 @@ def test_a_gather_on_the_input_before_the_stack_is_named_as_not_served(tmp_path)
     model = convert(path)
     assert any("also has Gather, which rnnserve does not serve" in n for n in model.provenance["notes"])
     assert model.provenance["verification"]["whole_file"] == {"ran": True, "compared": []}
+
+
+def test_per_layer_slices_of_state_inputs_are_not_called_unserved(tmp_path):
+    """A 2-layer LSTM exported with h and c inputs: the exporter slices them per layer. Those Slices split what
+    h_0/c_0 give, so they are served; only ops on the way to the stack's X change what it reads."""
+    torch.manual_seed(0)
+
+    class WithStates(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = torch.nn.LSTM(4, 6, 2, batch_first=True)
+
+        def forward(self, x, h, c):
+            return self.rnn(x, (h, c))[0]
+
+    path = tmp_path / "lstm_states.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(WithStates().eval(), (torch.randn(2, 7, 4), torch.zeros(2, 2, 6), torch.zeros(2, 2, 6)),
+                          str(path), dynamo=False, input_names=["x", "h", "c"], dynamic_axes={"x": {0: "b", 1: "t"}})
+    model = convert(path)
+    assert not any("does not serve" in n for n in model.provenance["notes"]), model.provenance["notes"]
+    whole = model.provenance["verification"]["whole_file"]
+    assert whole["ran"] is True and whole["compared"], whole
