@@ -26,7 +26,7 @@ import numpy as np
 from onnx import NodeProto
 
 from ..errors import VerificationError
-from .onnx_graph import SHAPE_OPS, GraphIndex
+from .onnx_graph import GraphIndex
 
 # ours(x [B, T, I] float64) -> (output [B, T, F], h of the last block's last layer [D, B, Ho], its c or None)
 OursRunner = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray | None, np.ndarray | None]]
@@ -140,36 +140,24 @@ def _state_wider_than_node(index: GraphIndex) -> bool:
 
 def _stack_input(index: GraphIndex, first: NodeProto) -> str | None:
     """The graph input that reaches the first recurrent node's X through shape-only ops, or None."""
-    name = first.input[0]
-    while name in index.producer:
-        node, _ = index.producer[name]
-        if node.op_type not in SHAPE_OPS or not node.input:
-            return None
-        name = node.input[0]
-    return name if name in index.graph_inputs else None
+    name, node, _ = index.past_shape_ops(first.input[0])
+    return name if node is None and name in index.graph_inputs else None
 
 
 def _from_last_node(index: GraphIndex, last: NodeProto, name: str) -> int | None:
     """Which output (0 Y, 1 Y_h, 2 Y_c) of ``last`` the graph output ``name`` is, through shape-only ops."""
-    while name in index.producer:
-        node, k = index.producer[name]
-        if node is last:
-            return k
-        if node.op_type not in SHAPE_OPS or not node.input:
-            return None
-        name = node.input[0]
-    return None
+    _, node, k = index.past_shape_ops(name)
+    return k if node is last else None
 
 
 def _lengths_inputs(index: GraphIndex, chain: list[NodeProto]) -> set[str]:
     """Graph inputs that reach a recurrent node's sequence_lens through shape-only ops."""
     found = set()
     for node in chain:
-        name = node.input[4] if len(node.input) > 4 else ""
-        while name and name in index.producer and index.producer[name][0].op_type in SHAPE_OPS:
-            name = index.producer[name][0].input[0]
-        if name in index.graph_inputs:
-            found.add(name)
+        if len(node.input) > 4 and node.input[4]:
+            name, producer, _ = index.past_shape_ops(node.input[4])
+            if producer is None and name in index.graph_inputs:
+                found.add(name)
     return found
 
 

@@ -241,16 +241,42 @@ class GraphIndex:
                 self.static_dims.setdefault(info.name, [d.dim_value if d.HasField("dim_value") else None
                                                         for d in info.type.tensor_type.shape.dim])
 
-    def input_values(self) -> set[str]:
-        """Every value that graph inputs' *values* flow into (Shape cuts the flow), in one pass over the nodes
-        in graph order (ONNX stores them topologically sorted)."""
-        if self._input_values is None:
-            flowing = set(self.graph_inputs)
-            for node in self.nodes:
-                if node.op_type != "Shape" and any(i in flowing for i in node.input):
-                    flowing.update(o for o in node.output if o)
+    def input_values(self, through_recurrent: bool = True) -> set[str]:
+        """Every value that graph inputs' *values* flow into (Shape cuts the flow, and so do the recurrent nodes
+        unless ``through_recurrent``), in one pass over the nodes in graph order (ONNX stores them topologically
+        sorted)."""
+        if through_recurrent and self._input_values is not None:
+            return self._input_values
+        stops = ("Shape",) if through_recurrent else ("Shape", *RECURRENT_OPS)
+        flowing = set(self.graph_inputs)
+        for node in self.nodes:
+            if node.op_type not in stops and any(i in flowing for i in node.input):
+                flowing.update(o for o in node.output if o)
+        if through_recurrent:
             self._input_values = flowing
-        return self._input_values
+        return flowing
+
+    def feeding(self, name: str) -> set[str]:
+        """``name`` and every value it is computed from."""
+        seen, todo = set(), [name]
+        while todo:
+            value = todo.pop()
+            if value in seen or not value:
+                continue
+            seen.add(value)
+            if value in self.producer:
+                todo.extend(self.producer[value][0].input)
+        return seen
+
+    def past_shape_ops(self, name: str) -> tuple[str, NodeProto | None, int]:
+        """Where ``name`` comes from past shape-only ops: (that value, the node producing it or None for a graph
+        input or initializer, which of the node's outputs it is)."""
+        while name in self.producer:
+            node, k = self.producer[name]
+            if node.op_type not in SHAPE_OPS or not node.input:
+                return name, node, k
+            name = node.input[0]
+        return name, None, 0
 
     def depends_on_input(self, name: str, _seen: set[str] | None = None) -> str | None:
         """The first graph input whose *values* flow into ``name`` (Shape cuts the flow), or None."""
@@ -289,14 +315,12 @@ class GraphIndex:
     def first_other_op(self, name: str) -> str | None:
         """The op that ``name`` comes from past shape-only ops, as "Relu 'relu_1'", or None when it is a graph
         input, an initializer or a recurrent node's Y (what :meth:`trace_input` follows)."""
-        while name in self.producer:
-            node, k = self.producer[name]
-            if node.op_type in RECURRENT_OPS and node.domain in ("", "ai.onnx"):
-                return None if k == 0 else f"output {k} of {node.op_type} '{self.name(node)}'"
-            if node.op_type not in SHAPE_OPS or not node.input:
-                return f"{node.op_type} '{self.name(node)}'"
-            name = node.input[0]
-        return None
+        _, node, k = self.past_shape_ops(name)
+        if node is None:
+            return None
+        if node.op_type in RECURRENT_OPS and node.domain in ("", "ai.onnx"):
+            return None if k == 0 else f"output {k} of {node.op_type} '{self.name(node)}'"
+        return f"{node.op_type} '{self.name(node)}'"
 
     def attr(self, node: NodeProto, name: str, default: Any = None) -> Any:
         for a in node.attribute:

@@ -22,7 +22,6 @@ from .onnx_nodes import node_to_layer
 from .source import LoadedSource, SourceRunner, unserved_note
 from .verify import ATOL, RTOL
 
-_PLUMBING = set(SHAPE_OPS) | {"Constant", "Shape", "Gather", "Concat", "Expand", "ConstantOfShape", "Slice"}
 _RUNNER_OPSET = 17
 
 
@@ -58,7 +57,7 @@ def load_onnx(path: Path, select: str | None = None, cell: str | None = None, **
                                       f"{_node(chain, layer.name, index).op_type} ({layer.cell})")
     # ops that see only shapes (an exporter's arithmetic on Shape) compute nothing a client would have to apply
     flowing = index.input_values()
-    upstream = _before_recurrent_nodes(index) & _feeding(index, chain[0].input[0])
+    upstream = index.input_values(through_recurrent=False) & index.feeding(chain[0].input[0])
     others = sorted({n.op_type for n in index.nodes if n.op_type not in ("LSTM", "GRU", "RNN")
                      and any(o in flowing for o in n.output) and _computes_on_values(n, upstream)})
     stack_is_graph = not others and len(candidates) == len(chain)
@@ -92,29 +91,6 @@ def _computes_on_values(node: NodeProto, upstream: set[str]) -> bool:
     if node.op_type == "Concat":
         return any(i in upstream for i in node.input)
     return True
-
-
-def _feeding(index: GraphIndex, name: str) -> set[str]:
-    """``name`` and every value it is computed from."""
-    seen, todo = set(), [name]
-    while todo:
-        value = todo.pop()
-        if value in seen or not value:
-            continue
-        seen.add(value)
-        if value in index.producer:
-            todo.extend(index.producer[value][0].input)
-    return seen
-
-
-def _before_recurrent_nodes(index: GraphIndex) -> set[str]:
-    """Values that graph inputs' values flow into before any recurrent node (Shape cuts the flow, as do the
-    recurrent nodes), in one pass over the nodes in graph order."""
-    flowing = set(index.graph_inputs)
-    for node in index.nodes:
-        if node.op_type not in ("Shape", "LSTM", "GRU", "RNN") and any(i in flowing for i in node.input):
-            flowing.update(o for o in node.output if o)
-    return flowing
 
 
 def model_producer(index: GraphIndex) -> str:
