@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .errors import InvalidInput
@@ -136,10 +136,13 @@ class ServeSettings(BaseSettings):
             raise ValueError("is empty; name the model repository folder (default ./models)")
         return value
 
-    @field_validator("device", "log_level", mode="before")
+    @field_validator("*", mode="before")
     @classmethod
-    def _any_case(cls, value: Any) -> Any:
-        return value.strip().lower() if isinstance(value, str) else value
+    def _choices_in_any_case(cls, value: Any, info: ValidationInfo) -> Any:
+        # every choice setting (their choices are lower case): RNNSERVE_LOG_LEVEL=DEBUG, as --log-level DEBUG
+        if isinstance(value, str) and get_origin(cls.model_fields[info.field_name].annotation) is Literal:
+            return value.strip().lower()
+        return value
 
     @classmethod
     def from_args(cls, argv: list[str]) -> "ServeSettings":

@@ -145,8 +145,10 @@ def test_an_empty_repository_setting_and_upper_case_choices(monkeypatch):
         ServeSettings.from_args([])
     monkeypatch.setenv("RNNSERVE_REPOSITORY", "models")
     monkeypatch.setenv("RNNSERVE_LOG_LEVEL", "DEBUG")
-    settings = ServeSettings.from_args(["--device", "CPU"])
+    monkeypatch.setenv("RNNSERVE_EVENT_LOOP", "AsyncIO")
+    settings = ServeSettings.from_args(["--device", "CPU", "--http-balance", "Kernel"])
     assert (settings.log_level, settings.device, str(settings.repository)) == ("debug", "cpu", "models")
+    assert (settings.event_loop, settings.http_balance) == ("asyncio", "kernel")  # every choice setting
     # gRPC takes its message limit as a C int: a larger one failed at its start with no setting named
     with pytest.raises(InvalidInput, match="--max-request-bytes: Input should be less than or equal to 2147483647"):
         ServeSettings.from_args(["--max-request-bytes", "3000000000"])
