@@ -13,10 +13,13 @@ from typing import Any, Awaitable, Callable
 
 from . import eventloop
 from .errors import RNNServeError
+from .heartbeats import WATCH_S, Heartbeats, beat
 from .registry.builds import exit_if_building
 from .settings import ServeSettings
 
 START_TIMEOUT_S = 120.0
+log = logging.getLogger("rnnserve.children")
+_beating: set[asyncio.Task] = set()
 
 
 def die_with_parent() -> None:
@@ -55,10 +58,32 @@ async def start_children(procs: list[multiprocessing.Process], started: Any, wha
             raise RNNServeError(f"{what} failed to start: {detail}")
 
 
-async def watch_children(procs: list[multiprocessing.Process]) -> None:
-    """Return when any of ``procs`` has exited."""
+def start_beating(heartbeat: tuple[Any, int]) -> None:
+    """In a child, once it serves: count in its heartbeat slot ``(counts, slot)`` (see :mod:`service.heartbeats`)."""
+    task = asyncio.get_running_loop().create_task(beat(*heartbeat), name="heartbeat")
+    _beating.add(task)
+    task.add_done_callback(_beating.discard)
+
+
+async def watch_children(procs: list[multiprocessing.Process], beats: Heartbeats | None = None,
+                         timeout_s: float = 0.0) -> None:
+    """Return when any of ``procs`` has exited; with ``beats`` (slot k: ``procs[k]``), also end the first whose
+    event loop has not run for ``timeout_s`` (0: never) and return once it is gone."""
+    loop = asyncio.get_running_loop()
+    last = loop.time()
     while all(p.is_alive() for p in procs):
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(WATCH_S)
+        now = loop.time()
+        elapsed, last = now - last, now
+        stalled = beats.stalled(elapsed, timeout_s) if beats is not None else []
+        if stalled:
+            proc = procs[stalled[0]]
+            log.error("%s (pid %s) has not run its event loop for %.0f s: it is stopped (SIGSTOP, a debugger) or "
+                      "wedged, and holds its connections and requests; ending it, and the server with it "
+                      "(--child-stall-timeout-s sets the limit, 0 turns this off)", proc.name, proc.pid, timeout_s)
+            proc.kill()
+            await loop.run_in_executor(None, proc.join, 10)
+            return
 
 
 async def stop_children(procs: list[multiprocessing.Process], grace: float) -> None:

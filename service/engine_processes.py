@@ -17,7 +17,7 @@ import signal
 from typing import Any
 
 from .app import _serving, build_dataplane
-from .children import die_with_parent, run_child
+from .children import die_with_parent, run_child, start_beating
 from .dataplane.remote import DataPlaneServer
 from .settings import ServeSettings
 
@@ -58,12 +58,12 @@ class EngineHost:
         await self.dataplane.stop(drain=True)
 
 
-def run_engine_process(settings: dict[str, Any], socket_path: str, started: Any) -> None:
+def run_engine_process(settings: dict[str, Any], socket_path: str, heartbeat: tuple[Any, int], started: Any) -> None:
     """Entry point of engine process 1..N-1 (spawned: CUDA starts fresh in it)."""
-    run_child("engine", settings, _engine_process, socket_path, started)
+    run_child("engine", settings, _engine_process, socket_path, heartbeat, started)
 
 
-async def _engine_process(settings: ServeSettings, socket_path: str, started: Any) -> int:
+async def _engine_process(settings: ServeSettings, socket_path: str, heartbeat: tuple[Any, int], started: Any) -> int:
     die_with_parent()
     stop = asyncio.Event()
     host = EngineHost(settings, socket_path)
@@ -72,6 +72,7 @@ async def _engine_process(settings: ServeSettings, socket_path: str, started: An
     # the engine processes must keep serving the front-ends while those drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    start_beating(heartbeat)  # models build on threads of their own: loading does not hold the loop
     started.put(("ok", os.getpid()))
     host.load()
     await stop.wait()

@@ -27,11 +27,12 @@ from typing import Any
 
 from . import eventloop
 from .app import SharedHTTP, Transports, announce, install_stop_handlers, remove_stop_handlers
-from .children import die_with_parent, run_child, start_children, stop_children, watch_children
+from .children import die_with_parent, run_child, start_beating, start_children, stop_children, watch_children
 from .dataplane.remote import RemoteDataPlane
 from .dataplane.shards import ShardedDataPlane
 from .engine_processes import EngineHost, engine_socket, run_engine_process
 from .heap import freeze_heap
+from .heartbeats import Heartbeats
 from .ports import PortClaim, bind_listener, claim_port
 from .settings import ServeSettings
 from .transports.rest.balanced_accept import ConnectionTable, shared_listener
@@ -40,13 +41,13 @@ log = logging.getLogger("rnnserve.frontends")
 
 
 def run_frontend(settings: dict[str, Any], socket_paths: list[str], http_share: SharedHTTP | None,
-                 started: Any) -> None:
+                 heartbeat: tuple[Any, int], started: Any) -> None:
     """Entry point of one front-end process (spawned: it never touches CUDA)."""
-    run_child("frontend", settings, _frontend, socket_paths, http_share, started)
+    run_child("frontend", settings, _frontend, socket_paths, http_share, heartbeat, started)
 
 
 async def _frontend(settings: ServeSettings, socket_paths: list[str], http_share: SharedHTTP | None,
-                    started: Any) -> int:
+                    heartbeat: tuple[Any, int], started: Any) -> int:
     die_with_parent()
     stop = asyncio.Event()
     arena_bytes = (settings.frontend_shm_mb << 20) // len(socket_paths)  # one arena per engine process
@@ -57,6 +58,7 @@ async def _frontend(settings: ServeSettings, socket_paths: list[str], http_share
     install_stop_handlers(stop)
     freeze_heap()
     eventloop.start_stall_watch()
+    start_beating(heartbeat)
     started.put(("ok", os.getpid()))
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({stopper, transports.http_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -100,12 +102,14 @@ async def serve_with_frontends(settings: ServeSettings, stop_event: asyncio.Even
     await host.listen()
     ctx = multiprocessing.get_context("spawn")
     started = ctx.Queue()
-    engines = [ctx.Process(target=run_engine_process, args=(child_settings, path, started), name=f"engine-{k}")
+    beats = Heartbeats(ctx, settings.engines - 1 + settings.frontends)  # slot k: (engines + frontends)[k]
+    engines = [ctx.Process(target=run_engine_process, args=(child_settings, path, (beats.counts, k - 1), started),
+                           name=f"engine-{k}")
                for k, path in enumerate(sockets[1:], start=1)]
     table = ConnectionTable(settings.frontends, ctx) if http_listener is not None else None
     frontends = [ctx.Process(target=run_frontend, name=f"frontend-{k}",
                              args=(child_settings, sockets, None if table is None else (http_listener, table, k),
-                                   started))
+                                   (beats.counts, len(engines) + k), started))
                  for k in range(settings.frontends)]
     stop = stop_event or asyncio.Event()
     install_stop_handlers(stop)
@@ -119,7 +123,7 @@ async def serve_with_frontends(settings: ServeSettings, stop_event: asyncio.Even
         log.info("%s; %d front-end and %d engine processes; loading models from %s on device %s", line,
                  len(frontends), settings.engines, settings.repository, settings.device)
         host.load()
-        watch = asyncio.create_task(watch_children(engines + frontends))
+        watch = asyncio.create_task(watch_children(engines + frontends, beats, settings.child_stall_timeout_s))
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({stopper, watch}, return_when=asyncio.FIRST_COMPLETED)
         if watch.done() and not stop.is_set():

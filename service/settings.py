@@ -108,6 +108,12 @@ class ServeSettings(BaseSettings):
                     "sequence_id). Queue and stream limits apply per engine process. Implies front-end processes "
                     "(at least one).",
     )
+    child_stall_timeout_s: FiniteFloat = Field(
+        60.0, ge=0, le=MAX_SECONDS,
+        description="With --frontends or --engines > 1: a child process whose event loop has not run for this many "
+                    "seconds (stopped, or wedged) holds its connections and requests for good, and health probes "
+                    "cannot see it; it is ended and the server exits 1, for its supervisor to restart it. 0: never.",
+    )
     frontend_shm_mb: int = Field(
         32, ge=0, le=65536,
         description="Shared memory each front-end process reserves in /dev/shm for the request arrays it hands to "

@@ -122,8 +122,11 @@ async def lstm_dataplane(repo: Path, seed: int, **config: Any) -> AsyncIterator[
 
 
 def start_server(repository: Path, *extra: str, env: dict[str, str] | None = None,
-                 timeout: float = 60.0, device: str = "cpu") -> tuple[subprocess.Popen, str, str | None]:
-    """Start `python -m service.cli serve` on free ports; return (process, http_url, grpc_url or None)."""
+                 timeout: float = 60.0, device: str = "cpu",
+                 output: list[str] | None = None) -> tuple[subprocess.Popen, str, str | None]:
+    """Start `python -m service.cli serve` on free ports; return (process, http_url, grpc_url or None).
+
+    ``output``: the server's output lines are appended to it as they come (else they are read and dropped)."""
     cmd = [sys.executable, "-m", "service.cli", "serve", "--repository", str(repository), "--host", "127.0.0.1",
            "--http-port", "0", "--grpc-port", "0", "--device", device, *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -139,7 +142,9 @@ def start_server(repository: Path, *extra: str, env: dict[str, str] | None = Non
         if m:
             http_url = f"http://{m.group(1)}:{m.group(2)}"
             grpc_url = f"grpc://{m.group(3)}:{m.group(4)}" if m.group(3) else None
-            _drain_output(proc)
+            if output is not None:
+                output.extend(seen)
+            _drain_output(proc, output)
             _wait_ready(http_url, deadline)
             return proc, http_url, grpc_url
     proc.kill()
@@ -148,15 +153,16 @@ def start_server(repository: Path, *extra: str, env: dict[str, str] | None = Non
     raise RuntimeError("rnnserve did not start:\n" + "".join(seen))
 
 
-def _drain_output(proc: subprocess.Popen) -> None:
+def _drain_output(proc: subprocess.Popen, output: list[str] | None = None) -> None:
     """Read the server's output until it exits (a full pipe would block it), then close the pipe (left open, it
-    was a ResourceWarning in the test that started the server)."""
+    was a ResourceWarning in the test that started the server); the lines go to ``output`` when given."""
     import threading
 
     def drain() -> None:
         with proc.stdout:
-            for _ in proc.stdout:
-                pass
+            for line in proc.stdout:
+                if output is not None:
+                    output.append(line)
 
     threading.Thread(target=drain, daemon=True).start()
 
