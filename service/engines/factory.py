@@ -41,6 +41,11 @@ def create_engine(model: PackedModel, device: str = "cpu", **options: Any) -> En
     if device == "cpu":
         from .reference import ReferenceEngine
 
+        precision = getattr(model.config, "precision", "float32")
+        if precision != "float32":
+            # served all the same (float32 is the closer answer), but the operator asked for something else
+            log.warning("model '%s': config.json asks for precision %s, which only the cuDNN engine computes in; "
+                        "the reference engine computes in float32", model.name or "?", precision)
         return ReferenceEngine(model, **{k: v for k, v in options.items() if k in ("dtype", "native")})
     try:
         from .cudnn import CudnnEngine

@@ -105,3 +105,19 @@ def test_bad_arguments_are_named():
         gru.forward(x, None, None, np.zeros((2, 1, 13)))
     with pytest.raises(InvalidInput, match="device 'tpu' is not known"):
         create_engine(model, "tpu")
+
+
+def test_a_reduced_precision_asked_of_the_cpu_engine_is_logged_and_computed_in_float32(caplog):
+    from service.repository import ModelConfig
+
+    mod = torch_module("lstm", 5, 7, 1, False)
+    model = packed_from_torch(mod, "lstm")
+    model.config = ModelConfig(precision="float16")
+    x = np.random.default_rng(0).standard_normal((2, 6, 5)).astype(np.float32)
+    lengths = np.array([6, 6])
+    with caplog.at_level("WARNING", logger="rnnserve.engines"):
+        out = create_engine(model, "cpu").forward(x, lengths)
+    assert any("precision float16" in r.getMessage() and "float32" in r.getMessage() for r in caplog.records)
+    assert out.output.dtype == np.float32
+    y, _, _ = run_torch(mod, "lstm", x, lengths, None, None, np.float32)
+    np.testing.assert_allclose(out.output, y, rtol=RTOL, atol=ATOL)
