@@ -20,7 +20,7 @@ import logging
 import signal
 import socket
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import uvicorn
 from prometheus_client import CollectorRegistry
@@ -50,22 +50,33 @@ _CUT_OFF_ANSWER_S = 1.0
 def build_dataplane(settings: ServeSettings) -> DataPlane:
     """Metrics registry, model registry and dataplane for ``settings`` (nothing is loaded yet)."""
     metrics = ServerMetrics(CollectorRegistry())
-    label, read = _device_memory_reader(settings.device)
-    metrics.watch_device_memory(label, read)
+    _watch_device(metrics, settings.device)
     defaults = {k: getattr(settings, k) for k in DEFAULTED_FIELDS}
     registry = ModelRegistry(settings.repository, settings.device, defaults, metrics)
     return DataPlane(registry, metrics)
 
 
-def _device_memory_reader(device: str) -> tuple[str, Callable[[], float]]:
+def _watch_device(metrics: ServerMetrics, device: str) -> None:
+    """Device memory rnnserve holds, and on a GPU the GPU's own counters (NVML), at every scrape."""
     if device != "cpu":
         try:
             import cupy  # noqa: F401 - only present with the gpu extra
 
-            return "cuda:0", lambda: float(cupy.get_default_memory_pool().used_bytes())
+            metrics.watch_device_memory("cuda:0", lambda: float(cupy.get_default_memory_pool().used_bytes()))
         except Exception as exc:  # noqa: BLE001 - no CUDA stack: report the CPU
             log.debug("device memory metric: no CuPy (%s); reporting the CPU", exc)
-    return "cpu", lambda: 0.0
+        else:
+            try:
+                from .engines.cudnn.nvml import GpuCounters
+
+                gpu = GpuCounters.open(cupy.cuda.runtime.deviceGetPCIBusId(0))
+            except cupy.cuda.runtime.CUDARuntimeError as exc:  # CuPy but no usable GPU (--device auto)
+                log.debug("GPU metrics: no GPU (%s)", exc)
+                gpu = None
+            if gpu is not None:
+                metrics.watch_gpu("cuda:0", gpu)
+            return
+    metrics.watch_device_memory("cpu", lambda: 0.0)
 
 
 class _UvicornServer(uvicorn.Server):

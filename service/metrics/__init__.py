@@ -8,7 +8,7 @@ per-model series carries ``model`` and ``version`` labels.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -122,9 +122,25 @@ class ServerMetrics:
             "rnnserve_device_memory_bytes", "Accelerator memory in use by rnnserve (0 on CPU).", ("device",),
             registry=r)
 
+        # the GPU's own counters (NVML), as Triton's nv_gpu_* series: absent without a GPU or NVML
+        self.gpu_utilization = Gauge(
+            "rnnserve_gpu_utilization_ratio", "Share of the driver's last sample period in which a kernel of any "
+            "process ran on the GPU, 0 to 1 (NVML).", ("device",), registry=r)
+        self.gpu_memory_used = Gauge(
+            "rnnserve_gpu_memory_used_bytes", "GPU memory in use by every process (NVML).", ("device",), registry=r)
+        self.gpu_memory_total = Gauge(
+            "rnnserve_gpu_memory_total_bytes", "GPU memory (NVML).", ("device",), registry=r)
+        self.gpu_power = Gauge("rnnserve_gpu_power_watts", "Power the GPU draws (NVML).", ("device",), registry=r)
+
     def watch_device_memory(self, device: str, read: Callable[[], float]) -> None:
         """Report ``read()`` as device memory in use on ``device`` at every scrape."""
         self.device_memory.labels(device=device).set_function(read)
+
+    def watch_gpu(self, device: str, gpu: Any) -> None:
+        """Report ``gpu``'s readings (a :class:`service.engines.cudnn.nvml.GpuCounters`) at every scrape."""
+        for gauge, read in ((self.gpu_utilization, gpu.utilization), (self.gpu_memory_used, gpu.memory_used),
+                            (self.gpu_memory_total, gpu.memory_total), (self.gpu_power, gpu.power_watts)):
+            gauge.labels(device=device).set_function(read)
 
     def forget_model(self, model: str, version: str) -> None:
         """Mark an unloaded version not ready and drop its other gauges (counters and histograms keep their

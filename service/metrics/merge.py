@@ -7,7 +7,8 @@ counts, queue depths, live streams and device memory add. Two kinds of gauge sta
 something every process holds for itself and take the smallest value instead: a
 model is ready (``rnnserve_model_ready`` 1) only when it is ready in every process,
 and a series was created (``*_created``) when the first process created it. The last
-inference (``rnnserve_last_inference_timestamp_seconds``) is the latest of any process.
+inference (``rnnserve_last_inference_timestamp_seconds``) is the latest of any process, and the GPU's own
+counters (``rnnserve_gpu_*``), which every process reads from the one GPU, are taken once (the largest).
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 _SMALLEST = frozenset({"rnnserve_model_ready", "rnnserve_model_engine"})
-_LARGEST = frozenset({"rnnserve_last_inference_timestamp_seconds"})
+_LARGEST = frozenset({"rnnserve_last_inference_timestamp_seconds", "rnnserve_gpu_utilization_ratio",
+                      "rnnserve_gpu_memory_used_bytes", "rnnserve_gpu_memory_total_bytes", "rnnserve_gpu_power_watts"})
 
 
 class _Merged:

@@ -137,3 +137,21 @@ def test_concurrent_long_requests_equal_the_reference(gpu_server):
         want = _expected(repo, "lstm", x, None)
         np.testing.assert_allclose(last, want.output[:, -1], **TOL)
         np.testing.assert_allclose(h_n, want.h_n, **TOL)
+
+
+def test_the_gpus_own_counters_are_exported_once(gpu_server):
+    """rnnserve_gpu_* from NVML, one series per GPU whatever the engine processes (merged, not added up)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, http, _ = gpu_server
+    samples = {s.name: s for f in text_string_to_metric_families(httpx.get(f"http://{http}/metrics", timeout=10).text)
+               for s in f.samples if s.name.startswith("rnnserve_gpu_")}
+    assert set(samples) == {"rnnserve_gpu_utilization_ratio", "rnnserve_gpu_memory_used_bytes",
+                            "rnnserve_gpu_memory_total_bytes", "rnnserve_gpu_power_watts"}, samples
+    assert all(s.labels == {"device": "cuda:0"} for s in samples.values())
+    assert 0.0 <= samples["rnnserve_gpu_utilization_ratio"].value <= 1.0
+    total = samples["rnnserve_gpu_memory_total_bytes"].value
+    assert 8 << 30 <= total <= 512 << 30  # one GPU's memory, not two processes' readings added
+    assert 0 < samples["rnnserve_gpu_memory_used_bytes"].value <= total
+    assert 10 <= samples["rnnserve_gpu_power_watts"].value <= 2000

@@ -266,6 +266,25 @@ def test_merged_exposition_adds_counters_and_histograms_and_keeps_the_least_read
     assert families["rnnserve_requests"].type == "counter"
 
 
+def test_the_gpus_own_counters_are_taken_once_from_every_engine_process():
+    """Every engine process reads the one GPU's NVML counters: merged, they are one reading, not a sum."""
+    class Gpu:
+        def __init__(self, util):
+            self.utilization = lambda: util
+
+        memory_used = staticmethod(lambda: 3e9)
+        memory_total = staticmethod(lambda: 80e9)
+        power_watts = staticmethod(lambda: 120.0)
+
+    a, b = ServerMetrics(), ServerMetrics()
+    a.watch_gpu("cuda:0", Gpu(0.25))
+    b.watch_gpu("cuda:0", Gpu(0.5))
+    samples = {s.name: s.value for f in text_string_to_metric_families(merge_expositions([a.render(), b.render()]).decode())
+               for s in f.samples if s.name.startswith("rnnserve_gpu_")}
+    assert samples == {"rnnserve_gpu_utilization_ratio": 0.5, "rnnserve_gpu_memory_used_bytes": 3e9,
+                       "rnnserve_gpu_memory_total_bytes": 80e9, "rnnserve_gpu_power_watts": 120.0}
+
+
 def test_merged_index_shows_a_version_not_ready_in_one_process_with_its_reason():
     ready = {"name": "m", "version": "1", "state": "READY", "reason": ""}
     broken = {"name": "m", "version": "1", "state": "UNAVAILABLE", "reason": "out of memory"}
