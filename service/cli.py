@@ -39,7 +39,8 @@ def _convert(args: argparse.Namespace) -> int:
               f"{'bidirectional' if blk.bidirectional else 'unidirectional'}{variant}")
     ver = prov.get("verification", {})
     if ver.get("checked"):
-        print(f"verified against {prov['format']}: max abs difference {ver['max_abs_diff']:.3g} "
+        scope = f" ({ver['scope']})" if ver.get("scope") else ""
+        print(f"verified against {prov['format']}{scope}: max abs difference {ver['max_abs_diff']:.3g} "
               f"on a probe batch (lengths {ver['probe']['lengths']})")
         whole = ver.get("whole_file")
         if whole is not None:
@@ -54,13 +55,15 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _whole_file_line(whole: dict) -> str:
-    """What running the whole ONNX file found (see service.loaders.onnx_file_check)."""
+    """What running the whole source file found (ONNX: service.loaders.onnx_file_check; TorchScript:
+    service.loaders.torchscript_check)."""
     if not whole.get("ran"):
-        return f"the whole file was not run: {whole.get('reason', '')}; its recurrent nodes were checked on their own"
+        return f"the whole file was not run: {whole.get('reason', '')}; its recurrent layers were checked on their own"
+    runtime = whole.get("runtime", "onnxruntime")
     if whole.get("compared"):
-        return (f"the whole file ran in onnxruntime and its output(s) {', '.join(repr(n) for n in whole['compared'])} match the "
-                f"converted model")
-    return "the whole file ran in onnxruntime; its outputs come from more than the served stack, so they were not compared"
+        return (f"the whole file ran in {runtime} and its output(s) {', '.join(repr(n) for n in whole['compared'])} "
+                f"match the converted model")
+    return f"the whole file ran in {runtime}; its outputs come from more than the served stack, so they were not compared"
 
 
 def _inspect(args: argparse.Namespace) -> int:

@@ -40,7 +40,8 @@ def test_convert_inspect_and_engine_reproduce_torch(torch_file, tmp_path):
     path, net = torch_file
     res = rnnserve("convert", path, "--name", "tagger", "--repository", tmp_path / "repo", "--version", "2")
     assert res.returncode == 0, res.stderr
-    assert "verified against torch: max abs difference" in res.stdout
+    assert ("verified against torch (the file's weights in rebuilt nn.GRU modules: a state dict holds no code, so "
+            "what the model does around or between them is not checked): max abs difference") in res.stdout
     assert "block 0: gru I=7 H=13 layers=2 bidirectional" in res.stdout
     assert (tmp_path / "repo" / "tagger" / "2" / "model.safetensors").exists()
 

@@ -68,6 +68,8 @@ def assemble(layers: list[RecurrentLayer], dtype=np.float32) -> tuple[RNNSpec, l
                 groups[-1].append(layer)
                 continue
         groups.append([layer])
+    for layer in layers:
+        _check_values(layer)
     blocks, buffers, extras = [], [], {}
     for k, group in enumerate(groups):
         first = group[0]
@@ -83,3 +85,31 @@ def assemble(layers: list[RecurrentLayer], dtype=np.float32) -> tuple[RNNSpec, l
             extras[f"block{k}.peephole"] = peep.astype(dtype)
         blocks.append(spec)
     return RNNSpec(tuple(blocks)), buffers, extras
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_PARTS = (("w", "input matrix"), ("r", "recurrent matrix"), ("bw", "input bias"), ("br", "recurrent bias"),
+          ("proj", "projection"))
+
+
+def _check_values(layer: RecurrentLayer) -> None:
+    """Refuse NaN, infinities and values float32 cannot hold, naming the layer, the tensor and the place.
+
+    rnnserve computes in float32: a float64 weight past its range (about 3.4e38) became inf, and the model
+    answered NaN wherever an input feature was exactly 0 (the probe has none, so the check passed)."""
+    for d, lw in enumerate(layer.directions):
+        for attr, what in _PARTS:
+            arr = getattr(lw, attr)
+            if arr is None:
+                continue
+            arr = np.asarray(arr, dtype=np.float64)
+            where = f"layer '{layer.name}'{' (reverse direction)' if d else ''}, {what}"
+            bad = np.argwhere(~np.isfinite(arr))
+            if bad.size:
+                raise ConversionError(f"{where}: {arr[tuple(bad[0])]} at {bad[0].tolist()} (canonical gate order); "
+                                      f"the weights must be finite: check the training run that saved them")
+            big = np.argwhere(np.abs(arr) > _FLOAT32_MAX)
+            if big.size:
+                raise ConversionError(f"{where}: {arr[tuple(big[0])]:.3g} at {big[0].tolist()} (canonical gate "
+                                      f"order) is past float32's range (about 3.4e38), which rnnserve computes "
+                                      f"in; such a model overflows in float32: check the weights")

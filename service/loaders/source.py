@@ -30,6 +30,8 @@ class LoadedSource:
     check_tolerance: tuple[float, float] | None = None
     # check(ours) -> record: the whole source file run in its runtime (ONNX; see .onnx_file_check), after ``runner``'s
     file_check: Callable[[Callable[[np.ndarray], tuple]], dict[str, Any]] | None = None
+    # what the check ran, where that is less than the source model (a state dict's weights in rebuilt modules)
+    check_scope: str = ""
 
 
 def what_file_is(path: Path) -> tuple[str, str] | None:

@@ -203,7 +203,26 @@ def _read_torchscript(path: Path) -> TensorFile:
         if isinstance(mode, str):
             modes[name] = mode
     tensors = dict(module.state_dict())
+    _traced_rnn_modes(module, tensors, modes)
     return _torch_tensor_file("TorchScript", tensors, torch, modes=modes)
+
+
+def _traced_rnn_modes(module: Any, tensors: dict[str, Any], modes: dict[str, str]) -> None:
+    """A traced archive keeps no ``mode`` attribute, but its graph calls ``aten::rnn_relu`` or ``aten::rnn_tanh``:
+    where it calls only one of them, that is the nonlinearity of every Elman RNN in it (without this, a traced
+    ReLU RNN was served as tanh)."""
+    try:
+        graph = str(module.inlined_graph)
+    except Exception:  # noqa: BLE001 - no graph to read: the assumption and its note stand
+        return
+    called = {mode for mode, op in (("RNN_RELU", "aten::rnn_relu"), ("RNN_TANH", "aten::rnn_tanh")) if op in graph}
+    if len(called) != 1:
+        return
+    (mode,) = called
+    for name in tensors:
+        prefix, _, leaf = name.rpartition(".")
+        if leaf in ("weight_hh_l0", "weight_hh"):
+            modes.setdefault(prefix, mode)
 
 
 def _unwrap_checkpoint(obj: Any, torch: Any, path: Path) -> tuple[dict[str, Any], list[str]]:

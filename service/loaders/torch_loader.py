@@ -27,6 +27,10 @@ from ..errors import ConversionError
 from .source import LoadedSource, SourceRunner, unserved_note
 from .torch_files import TensorFile, read_torch_file
 from .torch_modules import ROOT, TorchRNN, describe_module, display, find_modules, normalize_cell
+from .torchscript_check import archive_check
+from .verify import ATOL, RTOL
+
+_TORCH_CLASS = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN", "rnn_relu": "RNN"}
 
 
 def load_torch(path: Path, select: str | None = None, cell: str | None = None, **options: Any) -> LoadedSource:
@@ -49,8 +53,17 @@ def load_torch(path: Path, select: str | None = None, cell: str | None = None, *
         notes.append(unserved_note(" -> ".join(display(m.prefix) for m in modules), "file",
                                    f"tensors of {', '.join(unserved)}", "module"))
     details = {"torch": {"file": tf.kind, "modules": [m.label() for m in modules]}}
-    return LoadedSource("torch", layers, [display(m.prefix) for m in modules], notes,
-                        runner=_runner(modules, tf), ragged_ok=True, details=details)
+    runner = _runner(modules, tf)
+    if tf.kind == "TorchScript":
+        scope = ""
+        file_check = None if runner is None else archive_check(path, layers[0].input_size, not unserved, RTOL, ATOL)
+    else:
+        kinds = sorted({f"nn.{_TORCH_CLASS[m.cell]}" for m in modules})
+        scope = (f"the file's weights in rebuilt {' and '.join(kinds)} modules: a {tf.kind} holds no code, so what "
+                 f"the model does around or between them is not checked")
+        file_check = None
+    return LoadedSource("torch", layers, [display(m.prefix) for m in modules], notes, runner=runner, ragged_ok=True,
+                        details=details, file_check=file_check, check_scope=scope)
 
 
 def _select(tf: TensorFile, path: Path, select: str | None, cell: str | None) -> list[TorchRNN]:

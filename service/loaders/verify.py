@@ -64,6 +64,8 @@ def verify_against_source(model: PackedModel, loaded: LoadedSource) -> dict[str,
     record = {"checked": True, "max_abs_diff": diff, "probe": {"batch": 3, "time": 7, "lengths": lengths.tolist()}}
     if loaded.check_tolerance:
         record["tolerance"] = {"rtol": rtol, "atol": atol}
+    if loaded.check_scope:
+        record["scope"] = loaded.check_scope
     if loaded.file_check is not None:
         record["whole_file"] = loaded.file_check(partial(_final_states, ReferenceEngine(model, dtype=np.float64)))
     return record

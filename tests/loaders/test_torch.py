@@ -13,7 +13,7 @@ import safetensors.torch  # noqa: E402
 
 import service  # noqa: E402
 from service.engines.reference import ReferenceEngine  # noqa: E402
-from service.errors import ConversionError, MissingDependency  # noqa: E402
+from service.errors import ConversionError, MissingDependency, VerificationError  # noqa: E402
 from service.loaders.torch_loader import load_torch  # noqa: E402
 from service.loaders.verify import ATOL, RTOL  # noqa: E402
 
@@ -451,3 +451,111 @@ def test_a_flipped_byte_in_the_weights_fails_the_zip_checksum(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(ConversionError, match=r"is corrupt: its member '.*' fails the zip's checksum"):
         service.convert(path)
+
+
+# -- TorchScript archives run whole through their own forward (service.loaders.torchscript_check) ----------------
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(5, 4, batch_first=True)
+
+    def forward(self, x):
+        return self.rnn(x * 2.0)[0]
+
+
+class _Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(4, 4, batch_first=True)
+
+    def forward(self, x):
+        return self.rnn(self.rnn(x)[0])[0]
+
+
+class _LastStep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(5, 4, batch_first=True, bidirectional=True)
+
+    def forward(self, x):
+        return self.rnn(x)[0][:, -1]
+
+
+class _TimeFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(5, 6, num_layers=2)
+
+    def forward(self, x):
+        return self.rnn(x)
+
+
+class _Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(5, 4, batch_first=True)
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0])
+
+
+def _archive(tmp_path, module, how):
+    torch.manual_seed(0)
+    path = tmp_path / f"{type(module).__name__}_{how}.pt"
+    size = next(module.parameters()).shape[1]
+    saved = torch.jit.script(module) if how == "script" else torch.jit.trace(module, torch.randn(1, 3, size))
+    torch.jit.save(saved, str(path))
+    return path
+
+
+@pytest.mark.parametrize("how", ["script", "trace"])
+@pytest.mark.parametrize("module", [_Scaled, _Twice], ids=["scales its input", "calls its GRU twice"])
+def test_an_archive_whose_code_does_more_than_its_modules_is_refused(tmp_path, module, how):
+    """Its recurrent weights alone verify; its own forward does not give what they give, and the served model
+    would answer differently from the archive (by up to 0.9 in the probe that found it)."""
+    path = _archive(tmp_path, module().eval(), how)
+    with pytest.raises(VerificationError, match="run whole through its own forward.*--no-verify"):
+        service.convert(path)
+    assert service.convert(path, verify=False).spec.blocks[0].num_layers == 1  # the user's choice, on purpose
+
+
+@pytest.mark.parametrize("module, compared", [(_LastStep, "forward() (last step, batch-first)"),
+                                              (_TimeFirst, "forward()[0] (output, time-first)")])
+def test_an_archive_whose_forward_is_its_modules_is_compared_whole(tmp_path, module, compared):
+    model = service.convert(_archive(tmp_path, module().eval(), "script"))
+    assert model.provenance["verification"]["whole_file"] == {
+        "ran": True, "runtime": "torch (the archive's own forward)", "compared": [compared]}
+
+
+def test_an_archive_with_more_modules_runs_but_is_not_compared(tmp_path):
+    model = service.convert(_archive(tmp_path, _Head().eval(), "script"))
+    assert model.provenance["verification"]["whole_file"]["compared"] == []
+    assert any("'head'" in note for note in model.provenance["notes"])
+
+
+def test_a_traced_relu_rnn_is_read_as_relu_from_its_graph(tmp_path):
+    """A traced archive keeps no nonlinearity attribute; its graph's aten::rnn_relu says it (was served as tanh)."""
+    torch.manual_seed(0)
+    mod = nn.RNN(3, 4, nonlinearity="relu", batch_first=True).eval()
+    path = tmp_path / "relu.pt"
+    torch.jit.save(torch.jit.trace(mod, torch.randn(1, 4, 3)), str(path))
+    model = service.convert(path)
+    assert model.spec.blocks[0].cell == "rnn_relu"
+    assert not any("tanh is assumed" in note for note in model.provenance["notes"])
+    x = np.random.default_rng(0).standard_normal((2, 5, 3)).astype(np.float32)
+    check(ReferenceEngine(model), mod, x)
+
+
+def test_a_float64_weight_past_float32s_range_is_refused_by_name(tmp_path):
+    """It became inf in float32, the check passed (the probe has no zero feature), and the server answered NaN."""
+    gru = nn.GRU(2, 3, batch_first=True).double()
+    with torch.no_grad():
+        gru.weight_ih_l0[2, 0] = 1e39
+    with pytest.raises(ConversionError, match=r"input matrix: 1e\+39 at \[2, 0\].*past float32's range"):
+        service.convert(save_pt(tmp_path, gru.state_dict()))
+    with torch.no_grad():
+        gru.weight_ih_l0[2, 0] = float("nan")
+    with pytest.raises(ConversionError, match=r"input matrix: nan at \[2, 0\].*must be finite"):
+        service.convert(save_pt(tmp_path, gru.state_dict(), "nan.pt"))

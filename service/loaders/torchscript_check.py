@@ -1,0 +1,91 @@
+"""A TorchScript archive run through its own ``forward``, beside its recurrent modules rebuilt alone.
+
+The PyTorch loader checks a conversion by loading the file's recurrent weights into fresh
+``nn.LSTM``/``nn.GRU``/``nn.RNN`` modules, which cannot see what the archive's own code does
+with them: scaling the input, calling one module twice, an activation on the output. A
+TorchScript archive carries that code, so here it runs whole on the probe, as onnxruntime runs a
+whole ONNX file (:mod:`.onnx_file_check`). Every tensor it returns with the shape of an output
+rnnserve serves (the output sequence, batch- or time-first, or its last step) must equal it;
+if one such tensor differs, the archive computes something rnnserve does not serve, and the
+conversion is refused (``--no-verify`` serves the recurrent modules alone on purpose).
+
+The probe is tried batch-first and time-first, since the archive does not say which it takes. An
+archive holding more tensors than its recurrent modules' (a head, an embedding) runs but is not
+compared: its outputs are more than the served modules' (the loader's note names the rest).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from ..errors import VerificationError
+from .verify import probe_input
+
+_RUNTIME = "torch (the archive's own forward)"
+# ours(x [B, T, I] float64) -> (output [B, T, F], ...) of the converted model at full length
+OursRunner = Callable[[np.ndarray], tuple]
+
+
+def archive_check(path: Path, input_size: int, compare: bool, rtol: float, atol: float) -> Callable[[OursRunner], dict]:
+    """``check(ours)``: the provenance record (``{"ran": ..., "compared": [...]}``), or VerificationError."""
+
+    def check(ours: OursRunner) -> dict:
+        import torch
+
+        module = torch.jit.load(str(path), map_location="cpu").eval()
+        dtype = next((p.dtype for p in module.parameters()), torch.float32)
+        x, _ = probe_input(input_size)
+        y = np.asarray(ours(x.astype(np.float64))[0], np.float64)
+        tol = (max(rtol, 1e-2), max(atol, 1e-2)) if dtype in (torch.float16, torch.bfloat16) else (rtol, atol)
+        failures, differed = [], []
+        for layout, feed, forms in (("batch-first", x, {"output": y, "last step": y[:, -1]}),
+                                    ("time-first", x.transpose(1, 0, 2), {"output": y.transpose(1, 0, 2),
+                                                                          "last step": y[:, -1]})):
+            try:
+                with torch.no_grad():
+                    result = module(torch.from_numpy(np.ascontiguousarray(feed)).to(dtype))
+            except Exception as exc:  # noqa: BLE001 - an input the archive does not take: the other layout may fit
+                failures.append(f"{layout}: {type(exc).__name__}: {_last_line(exc)}")
+                continue
+            if not compare:
+                return {"ran": True, "runtime": _RUNTIME, "compared": []}
+            matched, wrong = [], []
+            for where, tensor in _tensors(result, "forward()"):
+                got = tensor.detach().to(torch.float64).numpy()
+                for what, want in forms.items():
+                    if got.shape == want.shape:
+                        (matched if np.all(np.abs(got - want) <= tol[1] + tol[0] * np.abs(want))
+                         else wrong).append(f"{where} ({what}, {layout})")
+                        break
+            if matched and not wrong:
+                return {"ran": True, "runtime": _RUNTIME, "compared": matched}
+            differed += wrong
+        if differed:
+            raise VerificationError(
+                f"the TorchScript archive '{path.name}' run whole through its own forward gives {differed[0]} "
+                f"unlike its recurrent modules run alone (which the converted model matches): its code does more "
+                f"with them than rnnserve serves (scales or changes the input, calls a module twice, applies a "
+                f"function to the output). Convert with --no-verify to serve the recurrent modules alone")
+        if len(failures) == 2:
+            return {"ran": False, "reason": f"its forward does not take a float tensor [batch, time, "
+                                            f"{input_size}] either way ({failures[0]})"}
+        return {"ran": True, "runtime": _RUNTIME, "compared": []}
+
+    return check
+
+
+def _tensors(value: Any, where: str) -> Iterator[tuple[str, Any]]:
+    """Every tensor in ``value`` (nested tuples and lists), with where it sits."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        yield where, value
+    elif isinstance(value, (tuple, list)):
+        for k, item in enumerate(value):
+            yield from _tensors(item, f"{where}[{k}]")
+
+
+def _last_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [""])[-1][:300]
