@@ -60,6 +60,7 @@ class KerasLayer:
     upstream: str | None = None
     where: str = ""
     holds_weights: bool = False  # weights-only files: the layer stores weights (read only for recurrent layers)
+    calls: int = 1  # times the model calls the layer (its inbound nodes): shared weights when more than one
 
     @property
     def is_recurrent(self) -> bool:
@@ -195,11 +196,20 @@ def _snake_names(layers: list[KerasLayer]) -> dict[str, str]:
     return out
 
 
+def _weight_array(dataset: Any) -> np.ndarray:
+    """A stored weight as an array; Keras writes bfloat16 variables as 2-byte opaque data (``|V2``), which are the
+    top half of a float32's bits (a layer with ``dtype="bfloat16"`` crashed the converter)."""
+    arr = np.asarray(dataset)
+    if arr.dtype.kind == "V" and arr.dtype.itemsize == 2:
+        return (np.frombuffer(arr.tobytes(), np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(arr.shape)
+    return arr
+
+
 def _keras3_vars(group, where: str) -> dict[str, np.ndarray]:
     if "cell" not in group or "vars" not in group["cell"]:
         raise ConversionError(f"{where}: no 'cell/vars' group; rnnserve reads LSTM, GRU and SimpleRNN layers")
     var = group["cell"]["vars"]
-    arrays = [np.asarray(var[k]) for k in sorted(var, key=int)]
+    arrays = [_weight_array(var[k]) for k in sorted(var, key=int)]
     if len(arrays) not in (2, 3):
         raise ConversionError(f"{where}: expected kernel, recurrent_kernel and bias, found {len(arrays)} variables")
     return dict(zip(_ROLES, arrays))
@@ -299,7 +309,7 @@ def _legacy_weights(group, name: str) -> list[dict[str, np.ndarray]]:
         d = 1 if any(p.startswith("backward_") for p in parts[:-1]) else 0
         if role not in _ROLES:
             return []  # not an RNN layer of a known form (Dense, Embedding, Keras 1 names, ...)
-        dirs.setdefault(d, {})[role] = np.asarray(group[wn])
+        dirs.setdefault(d, {})[role] = _weight_array(group[wn])
     return [dirs[d] for d in sorted(dirs)]
 
 
@@ -359,6 +369,7 @@ def config_layers(config: dict[str, Any], fname: str) -> list[KerasLayer]:
                                                                          if k not in ("layer", "backward_layer")}})
         else:
             layer = KerasLayer(name, ecls, False, [dict(cfg)])
+        layer.calls = max(1, len(e.get("inbound_nodes") or []))
         if not functional:
             layer.upstream = prev
             if ecls not in TRANSPARENT:

@@ -61,12 +61,19 @@ def load_keras(path: Path, select: str | None = None, cell: str | None = None, *
         )
     notes: list[str] = []
     chosen = _select(kfile, recurrent, select, path.name, notes)
+    for layer in chosen:
+        if layer.calls > 1:
+            # served once, the check rebuilding it once too: it verified and answered differently from Keras
+            raise ConversionError(
+                f"layer '{layer.name}' is called {layer.calls} times in the model (one set of weights applied "
+                f"{layer.calls} times); rnnserve serves each layer once: build the model with a layer per call "
+                f"(e.g. two {layer.class_name} layers holding the same weights) and convert that")
     _check_chain(kfile, chosen, explicit=select is not None)
     if kfile.has_config:
         _note_what_is_not_served(kfile, chosen, notes)
     default = _recurrent_default(kfile, override, notes)
     if not kfile.has_config:
-        _note_weights_only(kfile, chosen, cell, notes)
+        _note_weights_only(kfile, chosen, cell, notes, explicit=select is not None)
     layers = [to_recurrent_layer(layer, kfile.keras3, default, cell) for layer in chosen]
     runner = keras_runner(path, kfile, chosen, layers)
     tolerance = _reduced_precision(chosen, notes)
@@ -265,8 +272,19 @@ def _recurrent_default(kfile: KerasFile, override: str | None, notes: list[str])
     return "sigmoid"
 
 
-def _note_weights_only(kfile: KerasFile, chosen: list[KerasLayer], cell: str | None, notes: list[str]) -> None:
-    """Record what was inferred from shapes; apply --cell to SimpleRNN layers (their activation)."""
+def _note_weights_only(kfile: KerasFile, chosen: list[KerasLayer], cell: str | None, notes: list[str],
+                       explicit: bool) -> None:
+    """Record what was inferred from shapes; apply --cell to SimpleRNN layers (their activation). Refuse a stack
+    of several recurrent layers beside other weighted layers unless --select named it: the file cannot say
+    whether those sit between them."""
+    names = {layer.name for layer in chosen}
+    others = [f"'{layer.name}'" for layer in kfile.layers if layer.name not in names and layer.holds_weights]
+    if others and len(chosen) > 1 and not explicit:
+        raise ConversionError(
+            f"this weights-only file does not record how its layers connect: {', '.join(others)} may sit between "
+            f"the recurrent layers {_describe(chosen)}, which would then be served as one stack without it (and "
+            f"the check, rebuilt from the same file, cannot tell). Convert the model's .keras or full .h5 save, "
+            f"whose config says; or pass --select with the recurrent layers if nothing lies between them")
     descs = []
     for layer in chosen:
         w = layer.weights[0]
@@ -277,12 +295,14 @@ def _note_weights_only(kfile: KerasFile, chosen: list[KerasLayer], cell: str | N
             act = "relu" if cell == "rnn_relu" else "tanh"
             layer.configs = [{"activation": act} for _ in layer.weights]
             desc += f" activation={act}" + ("" if cell else " (assumed; pass --cell rnn_relu for relu)")
+        else:
+            desc += (" activation=tanh (assumed: the file does not record it, and no option changes it; a model "
+                     "with another must be converted from its .keras or full .h5 save)")
         if layer.bidirectional:
             desc += " merge_mode=concat (assumed)"
         descs.append(desc)
     notes.append("weights-only file (no model config): layer types inferred from weight shapes: "
-                 + "; ".join(descs) + "; go_backwards=False assumed for every layer")
-    names = {layer.name for layer in chosen}
-    others = [f"'{layer.name}'" for layer in kfile.layers if layer.name not in names and layer.holds_weights]
+                 + "; ".join(descs) + "; go_backwards=False assumed for every layer (the check rebuilds the "
+                 "layers under the same assumptions, so it cannot catch a wrong one)")
     if others:
         notes.append(unserved_note(_stack(chosen), "file", f"weights of {', '.join(others)}", "layer"))

@@ -443,3 +443,46 @@ def test_keras2_bad_files(tmp_path):
     odd = k2.K2Layer("lstm_1", "LSTM", {"units": 4}, named("lstm_1", kr, rr, np.zeros(12)))
     with pytest.raises(ConversionError, match=r"'lstm_1'.*bias has shape \(12,\), expected \(16,\)"):
         convert(k2.write_h5(tmp_path / "odd.h5", [odd], "2.2.4", full=True))
+
+
+# -- what a file cannot show is refused or said (hostile probe, session 39) ----------------------------------------
+
+def test_a_layer_the_model_calls_twice_is_refused(tmp_path):
+    """Served once (and checked once), it verified and answered up to 0.5 away from Keras."""
+    a = keras.Input((None, 4))
+    shared = L.LSTM(4, return_sequences=True, name="shared")
+    model = keras.Model(a, shared(shared(a)))
+    randomize(model)
+    with pytest.raises(ConversionError, match="'shared' is called 2 times"):
+        convert(save(model, tmp_path, "keras"))
+
+
+def test_a_weights_only_stack_beside_another_weighted_layer_needs_select(tmp_path):
+    """The Dense may sit between the LSTMs: served as one stack without it, it verified and was 0.29 off."""
+    model = keras.Sequential([keras.Input((None, 5)), L.LSTM(5, return_sequences=True, name="a"), L.Dense(5),
+                              L.LSTM(5, return_sequences=True, name="b")])
+    randomize(model)
+    path = save(model, tmp_path, "weights")
+    with pytest.raises(ConversionError, match="does not record how its layers connect.*--select"):
+        convert(path)
+    assert convert(path, select="a").spec.blocks[0].num_layers == 1  # one layer: nothing can lie inside it
+
+
+def test_a_weights_only_lstm_says_its_activation_is_assumed(tmp_path):
+    model = keras.Sequential([keras.Input((None, 5)), L.LSTM(6, return_sequences=True)])
+    randomize(model)
+    notes = convert(save(model, tmp_path, "weights")).provenance["notes"]
+    assert any("activation=tanh (assumed" in n and "cannot catch a wrong one" in n for n in notes), notes
+
+
+def test_a_bfloat16_layer_converts(tmp_path):
+    """Keras stores its weights as 2-byte opaque data (|V2); they crashed the converter."""
+    model = keras.Sequential([keras.Input((None, 3)), L.LSTM(6, return_sequences=True, dtype="bfloat16",
+                                                            recurrent_initializer="glorot_uniform")])
+    randomize(model)
+    x = batch(features=3)
+    packed = convert(save(model, tmp_path, "keras"))
+    np.testing.assert_allclose(ours(packed, x), kout(model, x), rtol=5e-2, atol=5e-2)
+    stored = np.concatenate([np.asarray(keras.ops.convert_to_numpy(w), np.float32).ravel()
+                             for w in model.get_weights()])
+    assert np.isin(stored, np.asarray(packed.weights[0], np.float32)).all()  # the very bfloat16 values, widened
