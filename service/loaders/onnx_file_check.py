@@ -108,9 +108,10 @@ def _last_line(exc: Exception) -> str:
 
 
 def _unsupported(exc: Exception) -> bool:
-    """onnxruntime lacks what the file uses (NOT_IMPLEMENTED, "not supported"), rather than finding it wrong."""
+    """onnxruntime lacks what the file uses (NOT_IMPLEMENTED, "not supported", "does not support double yet": its
+    GRU kernel in float64), rather than finding it wrong."""
     text = str(exc)
-    return "NOT_IMPLEMENTED" in text or "not supported" in text.lower()
+    return "NOT_IMPLEMENTED" in text or "not supported" in text.lower() or "does not support" in text.lower()
 
 
 def _refused(path: Path, index: GraphIndex, what: str, exc: Exception) -> VerificationError:

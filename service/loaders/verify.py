@@ -44,9 +44,14 @@ def verify_against_source(model: PackedModel, loaded: LoadedSource) -> dict[str,
         expected = np.asarray(loaded.runner(x, lengths), dtype=np.float64)
     except Exception as exc:  # noqa: BLE001 - any failure of the framework's own runtime is the file's to report
         first = (str(exc).strip().splitlines() or [""])[-1][:400]
+        text = str(exc).lower()
+        # a valid file the runtime has no kernel for (onnxruntime's GRU in float64) is not the file's fault
+        advice = ("the runtime has no kernel for what the file holds (e.g. float64 weights): export it in float32, "
+                  "or convert with --no-verify" if "not_implemented" in text or "not support" in text
+                  else f"the file is likely invalid for {loaded.format}: export it again")
         raise VerificationError(
             f"{loaded.format}'s own runtime could not run the source model to check the conversion "
-            f"({type(exc).__name__}: {first}); the file is likely invalid for {loaded.format}: export it again"
+            f"({type(exc).__name__}: {first}); {advice}"
         ) from exc
     got = ReferenceEngine(model, dtype=np.float64).forward(x.astype(np.float64), lengths).output
     if expected.shape != got.shape:

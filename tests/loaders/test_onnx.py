@@ -757,3 +757,16 @@ def test_per_layer_slices_of_state_inputs_are_not_called_unserved(tmp_path):
     assert not any("does not serve" in n for n in model.provenance["notes"]), model.provenance["notes"]
     whole = model.provenance["verification"]["whole_file"]
     assert whole["ran"] is True and whole["compared"], whole
+
+
+def test_a_float64_gru_export_onnxruntime_has_no_kernel_for_converts_checked_on_its_nodes(tmp_path):
+    """onnxruntime's GRU has no float64 kernel; the file is valid and was refused as "likely invalid"."""
+    torch = pytest.importorskip("torch")
+    gru = torch.nn.GRU(3, 4, batch_first=True).double().eval()
+    path = tmp_path / "gru64.onnx"
+    torch.onnx.export(gru, (torch.randn(1, 5, 3, dtype=torch.float64),), str(path), opset_version=17, dynamo=False,
+                      input_names=["x"], dynamic_axes={"x": {0: "b", 1: "t"}})
+    model = convert(path)
+    whole = model.provenance["verification"]["whole_file"]
+    assert whole["ran"] is False and "does not support double" in whole["reason"]
+    assert model.provenance["verification"]["checked"] is True
