@@ -61,6 +61,7 @@ class KerasLayer:
     where: str = ""
     holds_weights: bool = False  # weights-only files: the layer stores weights (read only for recurrent layers)
     calls: int = 1  # times the model calls the layer (its inbound nodes): shared weights when more than one
+    state_from: list[str] = field(default_factory=list)  # layers feeding its call beyond its input: initial_state
 
     @property
     def is_recurrent(self) -> bool:
@@ -370,6 +371,7 @@ def config_layers(config: dict[str, Any], fname: str) -> list[KerasLayer]:
         else:
             layer = KerasLayer(name, ecls, False, [dict(cfg)])
         layer.calls = max(1, len(e.get("inbound_nodes") or []))
+        layer.state_from = _inbound_names(e)[1:]
         if not functional:
             layer.upstream = prev
             if ecls not in TRANSPARENT:
@@ -395,27 +397,37 @@ def _trace_upstream(by_name: dict[str, dict], entry: dict) -> str | None:
 
 def _first_inbound(entry: dict) -> str:
     """The layer name feeding ``entry``'s first call, in Keras 2 or Keras 3 config form."""
+    names = _inbound_names(entry)
+    return names[0] if names else ""
+
+
+def _inbound_names(entry: dict) -> list[str]:
+    """Every layer name feeding ``entry``'s first call, in order: its input first, then tensors such as an
+    ``initial_state`` (Keras 3: the call's kwargs; Keras 2: more entries of the node)."""
     nodes = entry.get("inbound_nodes") or []
     if not nodes:
-        return ""
+        return []
+    found: list[str] = []
 
-    def find(obj: Any) -> str:
+    def find(obj: Any) -> None:
         if isinstance(obj, dict):
             hist = obj.get("config", {}).get("keras_history") if isinstance(obj.get("config"), dict) else None
             if hist:
-                return str(hist[0])
+                found.append(str(hist[0]))
+                return
             for v in obj.values():
-                found = find(v)
-                if found:
-                    return found
+                find(v)
         elif isinstance(obj, (list, tuple)):
             if obj and isinstance(obj[0], str) and len(obj) >= 3 and isinstance(obj[1], int):
-                return obj[0]  # Keras 2: [layer_name, node_index, tensor_index, kwargs]
+                found.append(obj[0])  # Keras 2: [layer_name, node_index, tensor_index, kwargs]
+                return
             for v in obj:
-                found = find(v)
-                if found:
-                    return found
-        return ""
+                find(v)
 
     node = nodes[0]
-    return find(node.get("args", node) if isinstance(node, dict) else node)
+    if isinstance(node, dict):
+        find(node.get("args", node))
+        find((node.get("kwargs") or {}).get("initial_state"))
+    else:
+        find(node)
+    return found

@@ -69,6 +69,12 @@ def load_keras(path: Path, select: str | None = None, cell: str | None = None, *
                 f"{layer.calls} times); rnnserve serves each layer once: build the model with a layer per call "
                 f"(e.g. two {layer.class_name} layers holding the same weights) and convert that")
     _check_chain(kfile, chosen, explicit=select is not None)
+    for k, layer in enumerate(chosen):
+        if layer.state_from:
+            notes.append(f"layer '{layer.name}' starts from a state the model computes (its initial_state comes from "
+                         f"{', '.join(map(repr, layer.state_from))}): rnnserve starts it from zeros unless the request "
+                         f"sends that state as h_0{' and c_0' if layer.class_name == 'LSTM' else ''} (rows of layer "
+                         f"{k} of the stack)")
     if kfile.has_config:
         _note_what_is_not_served(kfile, chosen, notes)
     default = _recurrent_default(kfile, override, notes)

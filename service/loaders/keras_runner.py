@@ -171,10 +171,14 @@ def _from_weights(keras, chosen: list[KerasLayer], layers: list[RecurrentLayer])
             else:
                 act = _activation(keras, a[0]) if a else rl.cell[len("rnn_"):]
                 made.append(keras.layers.SimpleRNN(activation=act, **kw))
-        layer = keras.layers.Bidirectional(made[0], backward_layer=made[1]) if n_dirs == 2 else made[0]
-        y = layer(y)
-        weights = [arr for w in kl.weights for arr in _keras_weights(kl.class_name, w)]
-        pairs.append((layer, weights))
+        ys = [made[0](y)]
+        if n_dirs == 2:
+            # what Bidirectional(merge_mode="concat") computes on a whole sequence, without the wrapper: it copies
+            # its layers through their configs, which cannot hold the lambdas of hard_sigmoid and the like
+            ys.append(keras.ops.flip(made[1](y), axis=1))
+        y = keras.layers.Concatenate()(ys) if n_dirs == 2 else ys[0]
+        for layer, w in zip(made, kl.weights):
+            pairs.append((layer, _keras_weights(kl.class_name, w)))
     for layer, weights in pairs:
         layer.set_weights(weights)
     return keras.Model(inp, y)

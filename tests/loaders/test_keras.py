@@ -486,3 +486,26 @@ def test_a_bfloat16_layer_converts(tmp_path):
     stored = np.concatenate([np.asarray(keras.ops.convert_to_numpy(w), np.float32).ravel()
                              for w in model.get_weights()])
     assert np.isin(stored, np.asarray(packed.weights[0], np.float32)).all()  # the very bfloat16 values, widened
+
+
+def test_an_initial_state_the_model_computes_is_noted(tmp_path):
+    """Served from zeros unless the request sends it: the note says so (it said only 'Dense not served')."""
+    x = keras.Input((None, 4))
+    cond = keras.Input((3,))
+    h = L.Dense(6, name="h_init")(cond)
+    model = keras.Model([x, cond], L.GRU(6, return_sequences=True, name="gru")(x, initial_state=h))
+    randomize(model)
+    notes = convert(save(model, tmp_path, "keras")).provenance["notes"]
+    assert any("'gru' starts from a state the model computes" in n and "'h_init'" in n and "h_0" in n
+               for n in notes), notes
+
+
+def test_a_weights_only_bidirectional_with_hard_sigmoid_gates_converts(tmp_path):
+    """The check's rebuilt Bidirectional copied its layers through configs, which cannot hold the activation's
+    lambda: the conversion failed, blaming the file."""
+    model = keras.Sequential([keras.Input((None, 3)), L.Bidirectional(
+        L.LSTM(4, recurrent_activation="hard_sigmoid", return_sequences=True))])
+    randomize(model)
+    packed = convert(save(model, tmp_path, "weights"), recurrent_activation="hard_sigmoid")
+    x = batch(features=3, lengths=[T, T, T])
+    close(ours(packed, x), kout(model, x))
