@@ -131,6 +131,16 @@ def _note_what_is_not_served(kfile: KerasFile, chosen: list[KerasLayer], notes: 
               if layer.name not in names and layer.class_name not in TRANSPARENT | plumbing]
     if others:
         notes.append(unserved_note(_stack(chosen), "model", ", ".join(others), "layer"))
+    masked_embedding = [layer.name for layer in kfile.layers if layer.class_name == "Embedding"
+                        and ((layer.configs or [None])[0] or {}).get("mask_zero")]
+    if masked_embedding:
+        notes.append(f"Embedding {', '.join(map(repr, masked_embedding))} has mask_zero=True: Keras skips the steps "
+                     f"whose token is 0; send each sequence's length ('lengths') instead, with the padding at the end")
+    stateful = [layer.name for layer in chosen if ((layer.configs or [None])[0] or {}).get("stateful")]
+    if stateful:
+        notes.append(f"{', '.join(map(repr, stateful))} {'is' if len(stateful) == 1 else 'are'} stateful=True: Keras "
+                     f"carries the state from one call to the next; rnnserve answers each request from zeros (or its "
+                     f"h_0/c_0) unless the requests form a stream (sequence_id: see the README, Streaming)")
     if masked:
         notes.append("Masking is served as per-sequence lengths: send each sequence's length ('lengths', or ragged "
                      "instances to /v1 predict) rather than masked padding; a masked step inside a sequence is not "

@@ -117,7 +117,7 @@ def to_recurrent_layer(layer: KerasLayer, keras3: bool, recurrent_default: str, 
     where = f"layer '{layer.name}' ({'Bidirectional ' if layer.bidirectional else ''}{layer.class_name})"
     if layer.wrapper and layer.wrapper.get("merge_mode", "concat") != "concat":
         raise ConversionError(
-            f"{where} merges its directions with merge_mode='{layer.wrapper.get('merge_mode')}'; rnnserve serves "
+            f"{where} merges its directions with merge_mode={layer.wrapper.get('merge_mode')!r}; rnnserve serves "
             f"concatenated directions only (merge_mode='concat'): rebuild the wrapper with merge_mode='concat', or "
             f"--select only the layers before it"
         )

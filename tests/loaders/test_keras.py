@@ -509,3 +509,12 @@ def test_a_weights_only_bidirectional_with_hard_sigmoid_gates_converts(tmp_path)
     packed = convert(save(model, tmp_path, "weights"), recurrent_activation="hard_sigmoid")
     x = batch(features=3, lengths=[T, T, T])
     close(ours(packed, x), kout(model, x))
+
+
+def test_stateful_layers_and_masking_embeddings_are_noted(tmp_path):
+    model = keras.Sequential([keras.Input((None,), batch_size=1), L.Embedding(10, 4, mask_zero=True),
+                              L.LSTM(5, return_sequences=True, stateful=True, name="s")])
+    randomize(model)
+    notes = " ".join(convert(save(model, tmp_path, "keras")).provenance["notes"])
+    assert "'s' is stateful=True" in notes and "sequence_id" in notes
+    assert "mask_zero=True" in notes and "lengths" in notes
