@@ -52,6 +52,7 @@ def load_torch(path: Path, select: str | None = None, cell: str | None = None, *
         # model's, so this note is the one place a user learns the served model is a part
         notes.append(unserved_note(" -> ".join(display(m.prefix) for m in modules), "file",
                                    f"tensors of {', '.join(unserved)}", "module"))
+    notes += _state_like(tf, modules)
     details = {"torch": {"file": tf.kind, "modules": [m.label() for m in modules]}}
     runner = _runner(modules, tf)
     if tf.kind == "TorchScript":
@@ -108,11 +109,30 @@ def _select(tf: TensorFile, path: Path, select: str | None, cell: str | None) ->
     return chosen
 
 
-def _unserved_modules(tf: TensorFile, modules: list[TorchRNN]) -> list[str]:
-    """The modules (by prefix, '<root>' for top-level tensors) that hold the file's other tensors."""
+def _state_like(tf: TensorFile, modules: list[TorchRNN]) -> list[str]:
+    """Notes for the file's other tensors shaped like an initial state of the first module ([L*D, (B,) Ho or H]): a
+    learned h0 the model starts from, which a served model starts from zeros without."""
     owned = {name for module in modules for name in module.names.values()}
-    others = dict.fromkeys(name.rpartition(".")[0] for name in tf.shapes if name not in owned)
-    return [f"'{display(prefix)}'" for prefix in others]
+    first = modules[0]
+    rows, widths = first.num_layers * first.directions, {first.output_size, first.hidden_size}
+    notes = []
+    for name, shape in tf.shapes.items():
+        if name not in owned and len(shape) in (2, 3) and shape[0] == rows and shape[-1] in widths:
+            notes.append(f"tensor '{name}' {list(shape)} has the shape of an initial state of "
+                         f"'{display(first.prefix)}': if the model starts from it, send it as h_0 (c_0 for an LSTM's "
+                         f"cell state) with each request, since rnnserve starts from zeros")
+    return notes
+
+
+def _unserved_modules(tf: TensorFile, modules: list[TorchRNN]) -> list[str]:
+    """The modules (by prefix, '<root>' for top-level tensors) that hold the file's other tensors; tensors beside a
+    served module's weights by their own names."""
+    owned = {name for module in modules for name in module.names.values()}
+    served = {module.prefix for module in modules}
+    # beside a served module's own weights (a step counter, a learned state) the tensor is named, not its module
+    others = dict.fromkeys(name if name.rpartition(".")[0] in served else display(name.rpartition(".")[0])
+                           for name in tf.shapes if name not in owned)
+    return [f"'{other}'" for other in others]
 
 
 def _candidates(tf: TensorFile, prefixes: list[str]) -> str:

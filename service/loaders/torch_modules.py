@@ -150,6 +150,8 @@ def describe_module(tf: TensorFile, prefix: str, cell: str | None = None) -> Tor
         if parent != prefix:
             continue
         m = _LEAF.match(leaf)
+        if m is None and not leaf.startswith(("weight", "bias")):
+            continue  # not a weight (a step counter, a learned initial state): the loader's note names it
         if m is None:
             raise ConversionError(f"tensor '{name}' in {where} is not a parameter of nn.LSTM/nn.GRU/nn.RNN or their "
                                   f"cells (weight_ih_l<k>, weight_hh_l<k>, bias_ih_l<k>, bias_hh_l<k>, weight_hr_l<k>, "

@@ -559,3 +559,18 @@ def test_a_float64_weight_past_float32s_range_is_refused_by_name(tmp_path):
         gru.weight_ih_l0[2, 0] = float("nan")
     with pytest.raises(ConversionError, match=r"input matrix: nan at \[2, 0\].*must be finite"):
         service.convert(save_pt(tmp_path, gru.state_dict(), "nan.pt"))
+
+
+def test_a_learned_initial_state_is_named_and_an_extra_tensor_beside_the_weights_is_left_out(tmp_path):
+    class WithState(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.GRU(3, 4, batch_first=True)
+            self.h0 = nn.Parameter(torch.randn(1, 1, 4))
+
+    notes = service.convert(save_pt(tmp_path, WithState().state_dict())).provenance["notes"]
+    assert any("'h0' [1, 1, 4] has the shape of an initial state of 'rnn'" in n and "h_0" in n for n in notes), notes
+    state = make("lstm").state_dict()
+    state["step"] = torch.tensor(5)  # was refused as "not a parameter ... weight norm"
+    notes = service.convert(save_pt(tmp_path, state, "step.pt")).provenance["notes"]
+    assert any("tensors of 'step'" in n for n in notes), notes
