@@ -37,6 +37,7 @@ from .registry.builds import exit_if_building
 from .settings import ServeSettings
 from .transports.rest import create_rest_app
 from .transports.rest.balanced_accept import BalancedAcceptor, ConnectionTable
+from .transports.rest.head_guard import head_guard, http_connection_cap
 
 # a listening socket shared by the front-end processes, their connection table, and one's slot in it
 SharedHTTP = tuple[socket.socket, ConnectionTable, int]
@@ -153,6 +154,7 @@ class Transports:
         # log_config None: uvicorn's own lines ("Invalid HTTP request received", its access lines at debug) go
         # through rnnserve's handler and format, not its own "INFO:     " ones
         config = uvicorn.Config(rest_app, lifespan="off", log_config=None,
+                                http=head_guard(settings.body_timeout_s, http_connection_cap(settings.max_http_connections)),
                                 log_level=settings.log_level, access_log=settings.log_level == "debug",
                                 timeout_graceful_shutdown=settings.drain_timeout_s)
         http = _UvicornServer(config)

@@ -83,9 +83,16 @@ class ServeSettings(BaseSettings):
     )
     body_timeout_s: FiniteFloat = Field(
         60.0, ge=0, le=MAX_SECONDS,
-        description="Longest pause, in seconds, between the parts of an HTTP request body. A client that sends its "
-                    "headers or part of a body and then stops gets 408 and the connection closes, instead of holding "
-                    "it and its buffered bytes for good. 0: no limit.",
+        description="Longest pause, in seconds, between the parts of an HTTP request body, and the longest time a "
+                    "request's headers may take to arrive whole (from their first byte, or the connection's start). "
+                    "A client that sends its headers or part of a body and then stops gets 408 and the connection "
+                    "closes, instead of holding it and its buffered bytes for good. 0: no limit.",
+    )
+    max_http_connections: int = Field(
+        0, ge=0, le=10_000_000,
+        description="Most HTTP connections open at once in each server process; one more gets 503 and is closed at "
+                    "once, so that idle connections cannot take every file descriptor (gRPC's too). 0: three quarters "
+                    "of the process's open-file limit (ulimit -n).",
     )
     frontends: int = Field(
         1, ge=1, le=64,

@@ -1,0 +1,112 @@
+"""HeadGuard: uvicorn's HTTP protocol with limits on request heads and on open connections.
+
+uvicorn (with httptools) bounds neither the size of a request head nor the time it may take:
+one client sending a header that never ends grew a server by ~1 GB a minute and slowed every
+request on it (parsing a growing head), and thousands of connections that sent half a head
+and waited held their file descriptors until none was left, for gRPC too. So here:
+
+- a head (request line and headers) may be at most :data:`MAX_HEAD_BYTES`; a longer one gets
+  431 and the connection closes;
+- a head must arrive whole within ``head_timeout_s`` (the server's ``--body-timeout-s``) of
+  its first byte, or of the connection's start; then 408 (nothing sent yet: just closed);
+- at most ``max_connections`` HTTP connections are open at once (``--max-http-connections``);
+  one more gets 503 and is closed at once, so its descriptor is free again.
+
+Counting is per chunk read, after the parser has seen it: a chunk is counted when the head
+was already incomplete before it and still is after it, so a head is refused at most one read
+(64 KiB) past the limit, and a body that arrives with its head is never counted.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+MAX_HEAD_BYTES = 64 * 1024
+
+
+def _answer(status: int, reason: str, message: str) -> bytes:
+    body = json.dumps({"error": message}).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"connection: close\r\n\r\n").encode() + body
+
+
+_TOO_LARGE = _answer(431, "Request Header Fields Too Large",
+                     f"the request line and headers take more than {MAX_HEAD_BYTES} bytes; send fewer or shorter "
+                     f"headers (tensors go in the body)")
+
+
+def http_connection_cap(setting: int) -> int:
+    """``--max-http-connections``, or for 0 three quarters of this process's open-file limit (the rest is for gRPC,
+    the engine sockets and model files); 0 when the limit is unlimited."""
+    if setting:
+        return setting
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 0 if soft == resource.RLIM_INFINITY else max(16, soft * 3 // 4)
+
+
+def head_guard(head_timeout_s: float, max_connections: int) -> type[HttpToolsProtocol]:
+    """The protocol class uvicorn should use: HttpToolsProtocol with these limits (0: no limit)."""
+    timeout_answer = _answer(408, "Request Timeout", f"the request's headers did not arrive whole within "
+                                                     f"{head_timeout_s:g} s (--body-timeout-s); send them at once")
+    busy_answer = _answer(503, "Service Unavailable", f"this server holds {max_connections} HTTP connections "
+                                                      f"(--max-http-connections); retry, or reuse a connection")
+
+    class HeadGuard(HttpToolsProtocol):
+        _head_bytes: int | None = 0   # bytes of the head being read; None once it is whole
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if max_connections and len(self.connections) > max_connections:
+                transport.write(busy_answer)
+                transport.close()
+                return
+            self._start_head()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop_head_timer()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            reading_head = self._head_bytes is not None
+            super().data_received(data)
+            if reading_head and self._head_bytes is not None and self.transport is not None:
+                self._head_bytes += len(data)
+                if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+                    self._stop_head_timer()
+                    self.transport.write(_TOO_LARGE)
+                    self.transport.close()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if self._head_bytes is None:  # the next request on a kept-alive connection
+                self._start_head()
+
+        def on_headers_complete(self) -> None:
+            self._head_bytes = None
+            self._stop_head_timer()
+            super().on_headers_complete()
+
+        def _start_head(self) -> None:
+            self._head_bytes = 0
+            if head_timeout_s > 0:
+                self._head_timer = self.loop.call_later(head_timeout_s, self._head_expired)
+
+        def _stop_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_expired(self) -> None:
+            self._head_timer = None
+            if self.transport is None or self.transport.is_closing():
+                return
+            if self._head_bytes:  # part of a head came: say why it is closed
+                self.transport.write(timeout_answer)
+            self.transport.close()
+
+    return HeadGuard

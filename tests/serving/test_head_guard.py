@@ -1,0 +1,92 @@
+"""Request heads and connections have limits (service.transports.rest.head_guard), against a real server.
+
+Found by a hostile probe: one client sending a header that never ends grew the server by ~1 GB a minute and
+slowed every request (health 8 s after 20 s), and connections that sent half a head and waited were never
+closed, until no file descriptor was left for HTTP or gRPC.
+"""
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import pytest
+
+from service.transports.rest.head_guard import MAX_HEAD_BYTES
+from serving_support import build_repository, start_server, stop_server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repo = build_repository(tmp_path_factory.mktemp("head") / "models")
+    proc, http_url, _ = start_server(repo, "--body-timeout-s", "1", "--max-http-connections", "8")
+    host, port = http_url.removeprefix("http://").split(":")
+    try:
+        yield http_url, (host, int(port))
+    finally:
+        assert stop_server(proc) == 0
+
+
+def _read_all(sock: socket.socket, limit_s: float = 10.0) -> bytes:
+    sock.settimeout(limit_s)
+    out = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except (ConnectionResetError, BrokenPipeError):
+            return out
+        if not chunk:
+            return out
+        out += chunk
+
+
+def test_a_head_that_never_ends_gets_431_and_the_server_stays_quick(server):
+    http_url, addr = server
+    with socket.create_connection(addr) as sock:
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Long: ")
+        sent = 0
+        try:
+            while sent < 8 * MAX_HEAD_BYTES:
+                sock.sendall(b"a" * 16384)
+                sent += 16384
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        answer = _read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert b"more than 65536 bytes" in answer
+    started = time.monotonic()
+    assert httpx.get(f"{http_url}/v2/health/live", timeout=5).status_code == 200
+    assert time.monotonic() - started < 1.0
+
+
+def test_headers_just_under_the_limit_are_served(server):
+    http_url, _ = server
+    headers = {f"x-pad-{k}": "v" * 1000 for k in range(50)}  # ~52 KB of headers
+    assert httpx.get(f"{http_url}/v2/health/live", headers=headers, timeout=5).status_code == 200
+
+
+def test_a_head_that_stops_gets_408_and_a_silent_connection_is_closed(server):
+    _, addr = server
+    with socket.create_connection(addr) as half, socket.create_connection(addr) as silent:
+        half.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")
+        started = time.monotonic()
+        answer = _read_all(half)
+        assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+        assert b"--body-timeout-s" in answer
+        assert _read_all(silent) == b""  # closed, nothing to say to a client that said nothing
+        assert time.monotonic() - started < 5.0
+
+
+def test_connections_past_the_cap_get_503_at_once_and_the_cap_frees_with_them(server):
+    http_url, addr = server
+    held = [socket.create_connection(addr) for _ in range(8)]
+    try:
+        time.sleep(0.2)
+        with socket.create_connection(addr) as extra:
+            answer = _read_all(extra, 5)
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"--max-http-connections" in answer, answer[:200]
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.3)
+    assert httpx.get(f"{http_url}/v2/health/live", timeout=5).status_code == 200
