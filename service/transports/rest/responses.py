@@ -96,6 +96,11 @@ async def read_decoded_body(request: Request, limits: BodyLimits) -> bytes:
     return decompress(body, encoding, limits.max_bytes)
 
 
+# gzip members one body may hold (tritonclient writes one; concatenating tools a few)
+MAX_MEMBERS = 1024
+_PIECE = 64 * 1024
+
+
 def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
     """Undo a request ``Content-Encoding`` of gzip or deflate (tritonclient's request compression).
 
@@ -111,27 +116,39 @@ def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
     if wbits is None:
         raise InvalidInput(f"Content-Encoding '{encoding}' is not supported; use gzip, deflate or none")
     parts: list[bytes] = []
-    size = 0
+    size, members, pos = 0, 0, 0
+    view = memoryview(body)
+    carry = b""  # what followed the member that just ended: the start of the next one
     try:
-        while body:  # gzip may hold several members one after another
+        while pos < len(view) or carry:  # gzip may hold several members one after another
+            members += 1
+            if members > MAX_MEMBERS:
+                raise InvalidInput(f"request body holds more than {MAX_MEMBERS} {encoding} members; compress it "
+                                   f"as one stream")
             stream = zlib.decompressobj(wbits)
-            pending = body
-            while pending:
-                part = stream.decompress(pending, limit + 1 - size)
-                size += len(part)
-                if size > limit:
-                    raise RequestTooLarge(f"request body is larger than the limit of {limit} bytes "
-                                          f"(--max-request-bytes) once {encoding}-decompressed; send fewer or "
-                                          f"shorter sequences")
-                parts.append(part)
-                pending = stream.unconsumed_tail
-            if not stream.eof:
-                raise InvalidInput(f"request body is not valid {encoding} data: it ends before its stream does "
-                                   f"(truncated?)")
-            body = stream.unused_data if wbits > zlib.MAX_WBITS else b""  # gzip members may follow; nothing else
-            if wbits == zlib.MAX_WBITS and stream.unused_data:
-                raise InvalidInput(f"request body has {len(stream.unused_data)} bytes after its deflate stream; "
-                                   f"send the compressed data alone")
+            while not stream.eof:
+                # bounded pieces: the data after a member's end is copied out (unused_data), and with the whole
+                # body fed at once a body of many tiny members took time growing with its size squared
+                if carry:
+                    pending, carry = carry, b""
+                elif pos < len(view):
+                    pending, pos = view[pos:pos + _PIECE], pos + _PIECE
+                else:
+                    raise InvalidInput(f"request body is not valid {encoding} data: it ends before its stream "
+                                       f"does (truncated?)")
+                while pending and not stream.eof:
+                    part = stream.decompress(pending, limit + 1 - size)
+                    size += len(part)
+                    if size > limit:
+                        raise RequestTooLarge(f"request body is larger than the limit of {limit} bytes "
+                                              f"(--max-request-bytes) once {encoding}-decompressed; send fewer or "
+                                              f"shorter sequences")
+                    parts.append(part)
+                    pending = stream.unconsumed_tail
+            carry = stream.unused_data
+            if wbits == zlib.MAX_WBITS and (carry or pos < len(view)):  # deflate: one stream, nothing after it
+                raise InvalidInput(f"request body has {len(carry) + max(0, len(view) - pos)} bytes after its "
+                                   f"deflate stream; send the compressed data alone")
     except zlib.error as exc:
         raise InvalidInput(f"request body is not valid {encoding} data: {exc}") from None
     return b"".join(parts)
