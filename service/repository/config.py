@@ -15,6 +15,7 @@ from pydantic_core import PydanticCustomError
 
 from ..errors import InvalidInput
 from ..finite import MAX_SECONDS, Finite
+from ..json_keys import unique_keys
 from .files import read_regular
 
 
@@ -109,13 +110,7 @@ class ModelConfig(BaseModel):
 CONFIG_LIMIT = 1 << 20  # a config is a few settings; more is not one
 
 
-def _no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose keys are each given once: a setting written twice was served with its last value."""
-    keys = [k for k, _ in pairs]
-    twice = sorted({k for k in keys if keys.count(k) > 1})
-    if twice:
-        raise InvalidInput(f"sets {', '.join(repr(k) for k in twice)} more than once; keep one")
-    return dict(pairs)
+_NO_REPEATS = unique_keys("sets")
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:
@@ -125,7 +120,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         return ModelConfig()
     raw = read_regular(path, str(path), "make it a readable JSON file of settings", CONFIG_LIMIT)
     try:
-        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_repeats)
+        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_NO_REPEATS)
     except RecursionError:
         raise InvalidInput(f"{path} nests too deep to be a config; it holds one JSON object of settings") from None
     except ValueError as exc:  # UnicodeDecodeError too

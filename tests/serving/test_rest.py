@@ -884,3 +884,17 @@ async def test_unloading_every_model_keeps_the_server_ready(repo):
         for name in ("lstm", "gru_bi"):
             assert (await client.post(f"/v2/repository/models/{name}/unload")).status_code == 200
         assert (await client.get("/v2/health/ready")).status_code == 200
+
+
+async def test_a_key_given_twice_in_a_request_is_refused(repo):
+    """Python's json kept the last copy and answered on it; Triton's parser takes the first: refused, as in
+    config.json."""
+    tensor = '{"name": "input", "datatype": "FP32", "shape": [1, 2, 4], "data": [%s], "data": [%s]}' % (
+        ", ".join(["0.5"] * 8), ", ".join(["5"] * 8))
+    async with rest_client(repo) as (client, _):
+        for path, body in [("/v2/models/lstm/infer", '{"inputs": [%s]}' % tensor),
+                           ("/v2/models/lstm/infer", '{"inputs": [], "inputs": [%s]}' % tensor.replace(
+                               ', "data": [%s]' % ", ".join(["5"] * 8), "")),
+                           ("/v1/models/lstm:predict", '{"instances": [[[1, 2, 3, 4]]], "instances": [[[0, 0, 0, 0]]]}')]:
+            r = await client.post(path, content=body.encode())
+            assert r.status_code == 400 and "more than once; keep one" in r.json()["error"], (path, r.text)

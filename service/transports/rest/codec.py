@@ -22,9 +22,11 @@ from ...dataplane.types import (AnswerLimit, InferRequest, InferResponse, InferT
                                 numpy_dtype, refuse_extensions)
 from ...dataplane.validation import bool_parameter, out_of_range
 from ...errors import InvalidInput
+from ...json_keys import unique_keys
 from .responses import JSON_VALUE_BYTES
 
 HEADER = "Inference-Header-Content-Length"
+_NO_REPEATS = unique_keys("request body gives")
 
 
 def parse_json(body: bytes | str) -> Any:
@@ -33,7 +35,7 @@ def parse_json(body: bytes | str) -> Any:
     Nesting deeper than Python's recursion limit is refused like any other bad JSON (the
     decoder raises RecursionError there, which would otherwise become a 500)."""
     try:
-        doc = json.loads(body)
+        doc = json.loads(body, object_pairs_hook=_NO_REPEATS)
     except (ValueError, UnicodeDecodeError) as exc:
         if "integer string conversion" in str(exc):
             # Python's own message names sys.set_int_max_str_digits, a remedy for the server, not the client

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, ValidationError
 from ...dataplane.types import AnswerLimit, InferRequest, InferResponse, InferTensor, RequestedOutput
 from ...dataplane.validation import out_of_range
 from ...errors import InvalidInput
+from .codec import parse_json
 from .responses import JSON_VALUE_BYTES
 
 PredictOutput = Literal["output", "output_last", "h_n", "c_n"]
@@ -51,7 +52,11 @@ class PredictResponse(BaseModel):
 def parse_predict(raw: bytes) -> PredictRequest:
     """The body of a predict request, or InvalidInput naming each problem."""
     try:
-        return PredictRequest.model_validate_json(raw)
+        doc = parse_json(raw)  # not model_validate_json: it keeps the last of a repeated key, as Python's json did
+    except InvalidInput as exc:
+        raise InvalidInput(f"invalid request body: {exc.message}") from None
+    try:
+        return PredictRequest.model_validate(doc)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
         raise InvalidInput(f"invalid request body: {problems}") from None
