@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import InvalidInput
-from .files import read_regular
+from .files import open_regular, read_from
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32}
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
@@ -82,11 +82,19 @@ def load_tensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str
     """
     path = Path(path)
     where = f"model file {path}"
-    data = read_regular(path, where, f"check its permissions or {_FIX}")
-    header, body = _split(data, where)
-    metadata = _metadata(header.pop("__metadata__", None), where)
-    entries = [_entry(name, info, len(body), where) for name, info in header.items()]
-    _refuse_bad_layout(entries, len(body), where)
+    fix = f"check its permissions or {_FIX}"
+    # the header first: it says how large the data is, so a corrupt or hostile file is refused before its data is
+    # read (a 6 GB file with a broken header was read whole, and its copy outlived the failed load)
+    with open_regular(path, where, fix) as f:
+        size = os.fstat(f.fileno()).st_size
+        header, n = _header(f, size, where, fix)
+        body_size = size - 8 - n
+        metadata = _metadata(header.pop("__metadata__", None), where)
+        entries = [_entry(name, info, body_size, where) for name, info in header.items()]
+        _refuse_bad_layout(entries, body_size, where)
+        body = memoryview(read_from(f, body_size, where, fix))
+    if len(body) != body_size:
+        raise InvalidInput(f"{where} changed while it was read ({len(body):,} of {body_size:,} data bytes); {_FIX}")
     tensors: dict[str, np.ndarray] = {}
     stored: dict[str, str] = {}
     for e in entries:
@@ -113,21 +121,24 @@ class _Entry(NamedTuple):
     end: int
 
 
-def _split(data: bytes, where: str) -> tuple[dict[str, Any], memoryview]:
-    """The header (a JSON object) and the data after it; InvalidInput when the prefix or header is corrupt."""
-    if len(data) < 8:
-        raise InvalidInput(f"{where} is truncated ({len(data)} bytes); {_FIX}")
-    (n,) = struct.unpack("<Q", data[:8])
-    if 8 + n > len(data):
+def _header(f: Any, size: int, where: str, fix: str) -> tuple[dict[str, Any], int]:
+    """The header (a JSON object) of the open file ``f`` of ``size`` bytes, and its length in bytes; InvalidInput
+    when the prefix or header is corrupt."""
+    prefix = read_from(f, 8, where, fix)
+    if len(prefix) < 8:
+        raise InvalidInput(f"{where} is truncated ({len(prefix)} bytes); {_FIX}")
+    (n,) = struct.unpack("<Q", prefix)
+    if 8 + n > size:
         raise InvalidInput(f"{where} has a corrupt header: its length prefix says {n:,} bytes but the file has "
-                           f"{len(data) - 8:,} after the prefix (truncated?); {_FIX}")
+                           f"{size - 8:,} after the prefix (truncated?); {_FIX}")
     if n > _MAX_HEADER:
         raise InvalidInput(f"{where} has a corrupt header: {n:,} bytes, more than the {_MAX_HEADER:,} allowed; {_FIX}")
+    data = read_from(f, n, where, fix)
     try:
-        text = data[8:8 + n].decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidInput(f"{where} has a corrupt header: not UTF-8 text (byte {8 + exc.start} is "
-                           f"0x{data[8 + exc.start]:02x}); {_FIX}") from None
+                           f"0x{data[exc.start]:02x}); {_FIX}") from None
     try:
         header = json.loads(text)
     except (ValueError, RecursionError) as exc:
@@ -135,7 +146,7 @@ def _split(data: bytes, where: str) -> tuple[dict[str, Any], memoryview]:
     if not isinstance(header, dict):
         raise InvalidInput(f"{where} has a corrupt header: a JSON {_kind(header)} where an object of tensors "
                            f"belongs; {_FIX}")
-    return header, memoryview(data)[8 + n:]
+    return header, n
 
 
 def _metadata(value: object, where: str) -> dict[str, str]:

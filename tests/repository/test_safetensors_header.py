@@ -266,3 +266,22 @@ async def test_the_repository_index_shows_the_reason(tmp_path):
                                        f"expected a list of whole numbers >= 0; {FIX}")
     assert rows["listed"]["reason"] == (f"failed to load: model file {listed} has a corrupt header: a JSON array "
                                         f"where an object of tensors belongs; {FIX}")
+
+
+def test_a_large_file_with_a_corrupt_header_is_refused_before_its_data_is_read(tmp_path):
+    """A 6 GB file with a broken header was read whole first (29 s, and the copy outlived the failed load)."""
+    import resource
+    import time
+
+    from service.repository.safetensors_io import load_tensors
+
+    path = tmp_path / "model.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", 12) + b"not json at ")
+        f.truncate(4 << 30)  # sparse: 4 GiB that take no disk
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.perf_counter()
+    with pytest.raises(InvalidInput, match="corrupt header"):
+        load_tensors(path)
+    assert time.perf_counter() - started < 1.0
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB: nothing like 4 GiB read
