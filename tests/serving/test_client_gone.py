@@ -32,7 +32,7 @@ LAYOUTS = {"one process": (), "front-ends": ("--frontends", "2"), "two engines":
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def server(request, tmp_path_factory):
     repo = tmp_path_factory.mktemp("gone") / "models"
-    make_model(BlockSpec("lstm", 4, 128, num_layers=2), seed=3).save(repo, "wide", 1)  # ~0.2 s per 10,000 steps
+    make_model(BlockSpec("lstm", 4, 128, num_layers=2), seed=3).save(repo, "wide", 1)  # batch 8: ~0.3 s per 10,000 steps (native kernels)
     proc, http_url, grpc_url = start_server(repo, *LAYOUTS[request.param], "--max-queue-size", "4", timeout=120)
     try:
         yield http_url, grpc_url.removeprefix("grpc://"), request.param
@@ -59,7 +59,7 @@ def _h_n(resp: pb.ModelInferResponse) -> np.ndarray:
 
 def _busy(stub) -> grpc.Future:
     """A plain request that keeps the engine busy for a while (the chunks after it wait in a queue)."""
-    return stub.ModelInfer.future(_request(np.full((8, 30000, 4), 0.1, np.float32)), timeout=120)
+    return stub.ModelInfer.future(_request(np.full((8, 60000, 4), 0.1, np.float32)), timeout=120)
 
 
 def _outcomes(http_url: str) -> dict[str, float]:
@@ -87,7 +87,9 @@ def test_a_chunk_whose_client_goes_away_ends_its_stream(server, transport):
     http_url, grpc_url, _ = server
     sid = 7001 if transport == "grpc" else 7002
     rng = np.random.default_rng(0)
-    a, b, c = (rng.standard_normal((1, n, 4)).astype(np.float32) for n in (5, 3000, 4))
+    # b: long enough (~0.65 s alone on a 2-core CI machine) that it cannot be answered before its client leaves
+    # even where the busy requests reach the engine after it (a loaded host); at 3,000 steps that happened once
+    a, b, c = (rng.standard_normal((1, n, 4)).astype(np.float32) for n in (5, 100_000, 4))
     before = _outcomes(http_url)
     with grpc.insecure_channel(grpc_url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
