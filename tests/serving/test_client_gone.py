@@ -76,10 +76,14 @@ def _grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if after.get(k, 0.0) != before.get(k, 0.0)}
 
 
-def _json_chunk(x: np.ndarray, sequence_id: int) -> bytes:
-    doc = {"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}],
-           "outputs": [{"name": "h_n"}], "parameters": {"sequence_id": sequence_id}}
-    return json.dumps(doc).encode()
+def _binary_chunk(x: np.ndarray, sequence_id: int) -> tuple[bytes, int]:
+    """A stream chunk in the binary tensor extension, and its JSON header's length: a long chunk as JSON took the
+    front-end long enough to decode that its client could leave before it reached the engine process."""
+    doc = {"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape),
+                       "parameters": {"binary_data_size": x.nbytes}}],
+           "outputs": [{"name": "h_n", "parameters": {"binary_data": False}}], "parameters": {"sequence_id": sequence_id}}
+    head = json.dumps(doc).encode()
+    return head + x.astype(np.float32).tobytes(), len(head)
 
 
 @pytest.mark.parametrize("transport", ["grpc", "http"])
@@ -102,10 +106,11 @@ def test_a_chunk_whose_client_goes_away_ends_its_stream(server, transport):
             gone.cancel()
         else:
             host, port = http_url.removeprefix("http://").split(":")
-            body = _json_chunk(b, sid)
+            body, head = _binary_chunk(b, sid)
             with socket.create_connection((host, int(port)), timeout=10) as sock:
-                sock.sendall(b"POST /v2/models/wide/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                             + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                sock.sendall(b"POST /v2/models/wide/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+                             + f"Inference-Header-Content-Length: {head}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                             + body)
                 time.sleep(0.3)  # sent and queued; then the client leaves without its answer
         for call in busy:
             call.result(timeout=120)
