@@ -759,6 +759,7 @@ def test_per_layer_slices_of_state_inputs_are_not_called_unserved(tmp_path):
     assert whole["ran"] is True and whole["compared"], whole
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning", "ignore::torch.jit.TracerWarning")
 def test_a_float64_gru_export_onnxruntime_has_no_kernel_for_converts_checked_on_its_nodes(tmp_path):
     """onnxruntime's GRU has no float64 kernel; the file is valid and was refused as "likely invalid"."""
     torch = pytest.importorskip("torch")

@@ -312,4 +312,4 @@ def test_sigterm_after_large_json_stops_at_once_and_leaves_no_process(tmp_path, 
     assert time.monotonic() - start < 15
     time.sleep(0.5)
     assert not [pid for pid in children if os.path.exists(f"/proc/{pid}") and
-                "zombie" not in open(f"/proc/{pid}/status").read().lower()], "processes left after the server stopped"
+                "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()], "processes left after the server stopped"
