@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
 import logging
 import multiprocessing
 import os
@@ -20,12 +18,6 @@ from .settings import ServeSettings
 START_TIMEOUT_S = 120.0
 log = logging.getLogger("rnnserve.children")
 _beating: set[asyncio.Task] = set()
-
-
-def die_with_parent() -> None:
-    """Linux: get SIGTERM when the supervising process dies, however it dies (no orphaned children)."""
-    with contextlib.suppress(OSError, AttributeError):  # not Linux: the socket-closed path still stops us
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def run_child(role: str, settings: dict[str, Any], main: Callable[..., Awaitable[int]], *args: Any) -> None:

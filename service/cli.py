@@ -63,7 +63,8 @@ def _whole_file_line(whole: dict) -> str:
     if whole.get("compared"):
         return (f"the whole file ran in {runtime} and its output(s) {', '.join(repr(n) for n in whole['compared'])} "
                 f"match the converted model")
-    return f"the whole file ran in {runtime}; its outputs come from more than the served stack, so they were not compared"
+    why = whole.get("not_compared", "its outputs come from more than the served stack")
+    return f"the whole file ran in {runtime}; {why}, so they were not compared"
 
 
 def _inspect(args: argparse.Namespace) -> int:

@@ -17,7 +17,8 @@ import signal
 from typing import Any
 
 from .app import _serving, build_dataplane
-from .children import die_with_parent, run_child, start_beating
+from .children import run_child, start_beating
+from .parent_death import die_with_parent
 from .dataplane.remote import DataPlaneServer
 from .settings import ServeSettings
 

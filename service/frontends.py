@@ -27,12 +27,13 @@ from typing import Any
 
 from . import eventloop
 from .app import SharedHTTP, Transports, announce, install_stop_handlers, remove_stop_handlers
-from .children import die_with_parent, run_child, start_beating, start_children, stop_children, watch_children
+from .children import run_child, start_beating, start_children, stop_children, watch_children
 from .dataplane.remote import RemoteDataPlane
 from .dataplane.shards import ShardedDataPlane
 from .engine_processes import EngineHost, engine_socket, run_engine_process
 from .heap import freeze_heap
 from .heartbeats import Heartbeats
+from .parent_death import die_with_parent
 from .ports import PortClaim, bind_listener, claim_port
 from .settings import ServeSettings
 from .transports.rest.balanced_accept import ConnectionTable, shared_listener

@@ -72,7 +72,7 @@ def load_keras(path: Path, select: str | None = None, cell: str | None = None, *
     for k, layer in enumerate(chosen):
         if layer.state_from:
             notes.append(f"layer '{layer.name}' starts from a state the model computes (its initial_state comes from "
-                         f"{', '.join(map(repr, layer.state_from))}): rnnserve starts it from zeros unless the request "
+                         f"{', '.join(map(repr, dict.fromkeys(layer.state_from)))}): rnnserve starts it from zeros unless the request "
                          f"sends that state as h_0{' and c_0' if layer.class_name == 'LSTM' else ''} (rows of layer "
                          f"{k} of the stack)")
     if kfile.has_config:
@@ -288,6 +288,11 @@ def _recurrent_default(kfile: KerasFile, override: str | None, notes: list[str])
     return "sigmoid"
 
 
+# default names of layers that change no values at inference (an Input, dropout and noise, masking, reshapes)
+_INERT = ("input", "dropout", "spatial_dropout", "gaussian_noise", "gaussian_dropout", "alpha_dropout", "masking",
+          "reshape", "permute")
+
+
 def _note_weights_only(kfile: KerasFile, chosen: list[KerasLayer], cell: str | None, notes: list[str],
                        explicit: bool) -> None:
     """Record what was inferred from shapes; apply --cell to SimpleRNN layers (their activation). Refuse a stack
@@ -295,9 +300,13 @@ def _note_weights_only(kfile: KerasFile, chosen: list[KerasLayer], cell: str | N
     whether those sit between them."""
     names = {layer.name for layer in chosen}
     others = [f"'{layer.name}'" for layer in kfile.layers if layer.name not in names and layer.holds_weights]
-    if others and len(chosen) > 1 and not explicit:
+    # layers that change values without weights (an Add of a skip connection, an Activation) may sit between too;
+    # the file names every layer, weighted or not, by class-derived names when the model did not name them
+    between = others + [f"'{layer.name}'" for layer in kfile.layers if layer.name not in names
+                        and not layer.holds_weights and not layer.name.startswith(_INERT)]
+    if between and len(chosen) > 1 and not explicit:
         raise ConversionError(
-            f"this weights-only file does not record how its layers connect: {', '.join(others)} may sit between "
+            f"this weights-only file does not record how its layers connect: {', '.join(between)} may sit between "
             f"the recurrent layers {_describe(chosen)}, which would then be served as one stack without it (and "
             f"the check, rebuilt from the same file, cannot tell). Convert the model's .keras or full .h5 save, "
             f"whose config says; or pass --select with the recurrent layers if nothing lies between them")

@@ -208,21 +208,27 @@ def _read_torchscript(path: Path) -> TensorFile:
 
 
 def _traced_rnn_modes(module: Any, tensors: dict[str, Any], modes: dict[str, str]) -> None:
-    """A traced archive keeps no ``mode`` attribute, but its graph calls ``aten::rnn_relu`` or ``aten::rnn_tanh``:
-    where it calls only one of them, that is the nonlinearity of every Elman RNN in it (without this, a traced
-    ReLU RNN was served as tanh)."""
+    """A traced archive keeps no ``mode`` attribute, but its graph calls ``aten::rnn_relu`` or ``aten::rnn_tanh``
+    on each Elman RNN's weights: each call's weight list names the module (``GetAttr`` chains from the archive's
+    root), so each module gets its own nonlinearity (without this, a traced ReLU RNN was served as tanh)."""
     try:
-        graph = str(module.inlined_graph)
+        nodes = list(module.inlined_graph.nodes())
     except Exception:  # noqa: BLE001 - no graph to read: the assumption and its note stand
         return
-    called = {mode for mode, op in (("RNN_RELU", "aten::rnn_relu"), ("RNN_TANH", "aten::rnn_tanh")) if op in graph}
-    if len(called) != 1:
-        return
-    (mode,) = called
-    for name in tensors:
-        prefix, _, leaf = name.rpartition(".")
-        if leaf in ("weight_hh_l0", "weight_hh"):
-            modes.setdefault(prefix, mode)
+    for node in nodes:
+        kind = {"aten::rnn_relu": "RNN_RELU", "aten::rnn_tanh": "RNN_TANH"}.get(node.kind())
+        if kind is None:
+            continue
+        params = list(node.inputs())[2].node()  # rnn_*(input, hx, params, ...): params is a ListConstruct
+        for weight in params.inputs():
+            path, value = [], weight
+            while value.node().kind() == "prim::GetAttr":
+                path.append(value.node().s("name"))
+                value = value.node().input()
+            name = ".".join(reversed(path))
+            if name in tensors:
+                modes.setdefault(name.rpartition(".")[0], kind)
+                break
 
 
 def _unwrap_checkpoint(obj: Any, torch: Any, path: Path) -> tuple[dict[str, Any], list[str]]:

@@ -24,7 +24,8 @@ from ..errors import VerificationError
 from .verify import probe_input
 
 _RUNTIME = "torch (the archive's own forward)"
-# ours(x [B, T, I] float64) -> (output [B, T, F], ...) of the converted model at full length
+# ours(x [B, T, I] float64) -> (output [B, T, F], h [D, B, Ho], c [D, B, H] or None): the converted model at full
+# length, with its last layer's final states (service.loaders.verify._final_states)
 OursRunner = Callable[[np.ndarray], tuple]
 
 
@@ -37,12 +38,11 @@ def archive_check(path: Path, input_size: int, compare: bool, rtol: float, atol:
         module = torch.jit.load(str(path), map_location="cpu").eval()
         dtype = next((p.dtype for p in module.parameters()), torch.float32)
         x, _ = probe_input(input_size)
-        y = np.asarray(ours(x.astype(np.float64))[0], np.float64)
+        y, h, c = (None if a is None else np.asarray(a, np.float64) for a in ours(x.astype(np.float64)))
         tol = (max(rtol, 1e-2), max(atol, 1e-2)) if dtype in (torch.float16, torch.bfloat16) else (rtol, atol)
+        states = _state_forms(y, h, c)
         failures, differed = [], []
-        for layout, feed, forms in (("batch-first", x, {"output": y, "last step": y[:, -1]}),
-                                    ("time-first", x.transpose(1, 0, 2), {"output": y.transpose(1, 0, 2),
-                                                                          "last step": y[:, -1]})):
+        for layout, feed, sequence in (("batch-first", x, y), ("time-first", x.transpose(1, 0, 2), y.transpose(1, 0, 2))):
             try:
                 with torch.no_grad():
                     result = module(torch.from_numpy(np.ascontiguousarray(feed)).to(dtype))
@@ -51,14 +51,15 @@ def archive_check(path: Path, input_size: int, compare: bool, rtol: float, atol:
                 continue
             if not compare:
                 return {"ran": True, "runtime": _RUNTIME, "compared": []}
+            forms = [("output", sequence), *states]
             matched, wrong = [], []
             for where, tensor in _tensors(result, "forward()"):
                 got = tensor.detach().to(torch.float64).numpy()
-                for what, want in forms.items():
-                    if got.shape == want.shape:
-                        (matched if np.all(np.abs(got - want) <= tol[1] + tol[0] * np.abs(want))
-                         else wrong).append(f"{where} ({what}, {layout})")
-                        break
+                fits = [(what, want) for what, want in forms if want.shape == got.shape]
+                if not fits:
+                    continue
+                close = [what for what, want in fits if np.all(np.abs(got - want) <= tol[1] + tol[0] * np.abs(want))]
+                (matched if close else wrong).append(f"{where} ({close[0] if close else fits[0][0]}, {layout})")
             if matched and not wrong:
                 return {"ran": True, "runtime": _RUNTIME, "compared": matched}
             differed += wrong
@@ -71,13 +72,26 @@ def archive_check(path: Path, input_size: int, compare: bool, rtol: float, atol:
         if len(failures) == 2:
             return {"ran": False, "reason": f"its forward does not take a float tensor [batch, time, "
                                             f"{input_size}] either way ({failures[0]})"}
-        return {"ran": True, "runtime": _RUNTIME, "compared": []}
+        return {"ran": True, "runtime": _RUNTIME, "compared": [],
+                "not_compared": "none of the tensors it returns has the shape of an output or state rnnserve serves"}
 
     return check
 
 
+def _state_forms(y: np.ndarray, h: np.ndarray, c: np.ndarray | None) -> list[tuple[str, np.ndarray]]:
+    """What an archive returns from the last layer's states, as served: the last step ``out[:, -1]``, the final
+    states ``h`` [D, B, Ho] (and ``c``), each direction's ``h[d]``, and both directions' side by side
+    (``cat(h[-2], h[-1])``, a bidirectional classifier's input: rnnserve's output_last)."""
+    forms = [("last step", y[:, -1]), ("h_n", h), *((f"h_n[{d}]", h[d]) for d in range(h.shape[0]))]
+    if h.shape[0] == 2:
+        forms.append(("both directions' final states", np.concatenate([h[0], h[1]], axis=1)))
+    if c is not None:
+        forms += [("c_n", c), *((f"c_n[{d}]", c[d]) for d in range(c.shape[0]))]
+    return forms
+
+
 def _tensors(value: Any, where: str) -> Iterator[tuple[str, Any]]:
-    """Every tensor in ``value`` (nested tuples and lists), with where it sits."""
+    """Every tensor in ``value`` (nested tuples, lists and dicts), with where it sits."""
     import torch
 
     if isinstance(value, torch.Tensor):
@@ -85,6 +99,9 @@ def _tensors(value: Any, where: str) -> Iterator[tuple[str, Any]]:
     elif isinstance(value, (tuple, list)):
         for k, item in enumerate(value):
             yield from _tensors(item, f"{where}[{k}]")
+    elif isinstance(value, dict):
+        for k, item in value.items():
+            yield from _tensors(item, f"{where}[{k!r}]")
 
 
 def _last_line(exc: Exception) -> str:

@@ -518,3 +518,14 @@ def test_stateful_layers_and_masking_embeddings_are_noted(tmp_path):
     notes = " ".join(convert(save(model, tmp_path, "keras")).provenance["notes"])
     assert "'s' is stateful=True" in notes and "sequence_id" in notes
     assert "mask_zero=True" in notes and "lengths" in notes
+
+
+def test_a_weights_only_stack_beside_a_layer_without_weights_needs_select(tmp_path):
+    """An Add of a skip connection between two GRU/LSTM layers holds no weights; served without it, it 'verified'."""
+    a = keras.Input((None, 4))
+    y = L.GRU(4, return_sequences=True)(a)
+    y = L.Add()([a, y])
+    model = keras.Model(a, L.LSTM(5, return_sequences=True)(y))
+    randomize(model)
+    with pytest.raises(ConversionError, match="does not record how its layers connect: 'add"):
+        convert(save(model, tmp_path, "weights"))

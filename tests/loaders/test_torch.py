@@ -574,3 +574,44 @@ def test_a_learned_initial_state_is_named_and_an_extra_tensor_beside_the_weights
     state["step"] = torch.tensor(5)  # was refused as "not a parameter ... weight norm"
     notes = service.convert(save_pt(tmp_path, state, "step.pt")).provenance["notes"]
     assert any("tensors of 'step'" in n for n in notes), notes
+
+
+def test_archive_forms_a_classifier_returns_are_compared(tmp_path):
+    """cat(h[-2], h[-1]) of a bidirectional LSTM (a classifier's input) was refused as if compared with the last
+    step; a returned h is compared, so a scaled input behind it is refused."""
+    class Both(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.LSTM(5, 6, batch_first=True, bidirectional=True)
+
+        def forward(self, x):
+            _, (h, _) = self.rnn(x)
+            return torch.cat((h[-2], h[-1]), dim=1)
+
+    class ScaledState(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.GRU(5, 6, batch_first=True)
+
+        def forward(self, x):
+            return self.rnn(x * 0.5)[1]
+
+    whole = service.convert(_archive(tmp_path, Both().eval(), "script")).provenance["verification"]["whole_file"]
+    assert whole["compared"] == ["forward() (both directions' final states, batch-first)"]
+    with pytest.raises(VerificationError, match="h_n"):
+        service.convert(_archive(tmp_path, ScaledState().eval(), "script"))
+
+
+def test_a_traced_stack_of_relu_and_tanh_rnns_gets_each_its_own(tmp_path):
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.RNN(5, 6, batch_first=True, nonlinearity="relu")
+            self.b = nn.RNN(6, 6, batch_first=True)
+
+        def forward(self, x):
+            return self.b(self.a(x)[0])[0]
+
+    model = service.convert(_archive(tmp_path, Two().eval(), "trace"), select="a,b")
+    assert [b.cell for b in model.spec.blocks] == ["rnn_relu", "rnn_tanh"]
+    assert model.provenance["verification"]["whole_file"]["compared"]

@@ -145,3 +145,41 @@ async def test_large_answers_as_json_and_as_binary(repo, binary_output):
     else:
         got = np.asarray(r.json()["outputs"][0]["data"], np.float32).reshape(want.shape)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_helper_process_ends_when_its_process_is_killed():
+    """A front-end ended by SIGKILL (a heartbeat verdict) left its JSON helper running as an orphan for good."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = ("import asyncio, json, os, time\n"
+              "from service.transports.rest.json_process import JsonProcess\n"
+              "async def main():\n"
+              "    helper = JsonProcess()\n"
+              "    assert await helper.run(json.loads, b'[1]') == [1]\n"
+              "    print(os.getpid(), flush=True)\n"
+              "    time.sleep(120)\n"
+              "asyncio.run(main())\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(proc.stdout.readline())
+        kids = [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        helpers = [k for k in kids if b"resource_tracker" not in Path(f"/proc/{k}/cmdline").read_bytes()]
+        assert helpers
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+    def alive(k: int) -> bool:
+        try:
+            return Path(f"/proc/{k}/stat").read_text().split(") ")[1][0] != "Z"
+        except (FileNotFoundError, IndexError):
+            return False
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(alive(k) for k in helpers):
+        time.sleep(0.1)
+    assert not any(alive(k) for k in helpers), "the JSON helper outlived its process"

@@ -385,7 +385,7 @@ async def test_v1_predict_ragged(repo):
                               headers={"content-type": "application/x-www-form-urlencoded"})
         assert r.status_code == 200 and len(r.json()["predictions"]) == 1
         r = await client.post("/v1/models/gru_bi:predict", content=b'{"instances": [[[1, 2, 3, 4]]')
-        assert r.status_code == 400 and "invalid request body" in r.json()["error"]
+        assert r.status_code == 400 and r.json()["error"].startswith("request body is not valid JSON")
         schema = (await client.get("/openapi.json")).json()["paths"]["/v1/models/{model}:predict"]["post"]
         assert "instances" in schema["requestBody"]["content"]["application/json"]["schema"]["properties"]
         docs = (await client.get("/openapi.json")).json()

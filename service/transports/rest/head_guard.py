@@ -13,8 +13,10 @@ and waited held their file descriptors until none was left, for gRPC too. So her
   one more gets 503 and is closed at once, so its descriptor is free again.
 
 Counting is per chunk read, after the parser has seen it: a chunk is counted when the head
-was already incomplete before it and still is after it, so a head is refused at most one read
-(64 KiB) past the limit, and a body that arrives with its head is never counted.
+was already incomplete before it and still is after it, so a body that arrives with its head is
+never counted. The limit is therefore one of reads: a head that arrives whole within one or two
+reads (up to ~128 KiB on a fast connection) is served; one that keeps coming is refused after
+64 KiB more at most, which is what bounds memory and parsing work.
 """
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, TypeVar
 
 from ...errors import Unavailable
+from ...parent_death import die_with_parent
 
 T = TypeVar("T")
 log = logging.getLogger("rnnserve.transports.rest")
@@ -42,7 +43,8 @@ class JsonProcess:
         read from standard input, for one, does not have), it runs on a thread instead, with a warning.
         """
         if self._pool is None and not self._on_thread:
-            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=die_with_parent)
             self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
             try:
                 await asyncio.wrap_future(self._pool.submit(int))  # started and answering

@@ -53,8 +53,9 @@ def parse_predict(raw: bytes) -> PredictRequest:
     """The body of a predict request, or InvalidInput naming each problem."""
     try:
         doc = parse_json(raw)  # not model_validate_json: it keeps the last of a repeated key, as Python's json did
-    except InvalidInput as exc:
-        raise InvalidInput(f"invalid request body: {exc.message}") from None
+    except InvalidInput as exc:  # its message names the request body already
+        raise InvalidInput(exc.message if exc.message.startswith("request body") else
+                           f"invalid request body: {exc.message}") from None
     try:
         return PredictRequest.model_validate(doc)
     except ValidationError as exc:
