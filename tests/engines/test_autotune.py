@@ -315,7 +315,7 @@ def test_plan_pruning_with_replay_lines_never_changes_the_choice(pad_ok):
 def _rows_cost_table(ms_per_row: float) -> AlgoTable:
     """One block, STANDARD everywhere, replayed: at 200 steps a call costs 0.5 ms + ``ms_per_row`` a row (at
     its bucket), and a quarter of that at 50 steps; launches are expensive (ragged calls are launch-bound)."""
-    per, lines = [], {}
+    per = []
     for b in (1, 2, 4, 8, 16, 32, 64):
         std = Trial(0, time_ms=(0.5 + ms_per_row * b) / 4, long_ms=0.5 + ms_per_row * b, host_ms=1.3,
                     long_host_ms=5.2)
