@@ -42,6 +42,19 @@ MAX_SHAPE_PRODUCT = 2 ** 48
 MAX_DIMENSIONS = 8
 
 
+# A model takes at most 4 inputs (input, lengths, h_0, c_0) and gives at most 4 outputs; a request naming more
+# holds duplicates or unknown names, which validation refuses. Refused here, before any entry is decoded: a gRPC
+# message of millions of empty output entries (16 KB gzip'd) held the event loop for a minute decoding them.
+MAX_TENSORS = 16
+
+
+def check_tensor_count(kind: str, count: int) -> None:
+    """InvalidInput if a request lists more than :data:`MAX_TENSORS` ``kind`` (inputs or outputs)."""
+    if count > MAX_TENSORS:
+        raise InvalidInput(f"request lists {count:,} {kind}; a model takes at most 4 inputs (input, lengths, h_0, "
+                           f"c_0) and gives at most 4 outputs (output, output_last, h_n, c_n): name each once")
+
+
 def check_shape_size(name: str, shape: list[int]) -> None:
     """InvalidInput if input ``name``'s ``shape`` has more than :data:`MAX_DIMENSIONS` dimensions, or if its
     non-zero dimensions multiply past :data:`MAX_SHAPE_PRODUCT`."""

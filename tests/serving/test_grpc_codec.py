@@ -87,3 +87,16 @@ def test_answers_do_not_repeat_the_parameters_of_requested_outputs():
     response = InferResponse("m", "1", "r", [InferTensor("output_last", "FP32", [1, 2], x, {"note": "y" * 1000})])
     msg = encode_response(response)
     assert [o.name for o in msg.outputs] == ["output_last"] and not msg.outputs[0].parameters
+
+
+def test_a_message_of_millions_of_output_entries_is_refused_before_they_are_decoded():
+    """3 MB of empty 'outputs' entries (16 KB gzip'd) held the event loop for seconds, a minute at 64 MB; with
+    front-ends the heartbeat then ended the server."""
+    import time
+
+
+    msg = pb.ModelInferRequest.FromString(b"\x0a\x03abc" + b"\x32\x00" * 1_500_000)
+    started = time.perf_counter()
+    with pytest.raises(InvalidInput, match="lists 1,500,000 outputs"):
+        decode_request(msg)
+    assert time.perf_counter() - started < 0.05

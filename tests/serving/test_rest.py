@@ -898,3 +898,11 @@ async def test_a_key_given_twice_in_a_request_is_refused(repo):
                            ("/v1/models/lstm:predict", '{"instances": [[[1, 2, 3, 4]]], "instances": [[[0, 0, 0, 0]]]}')]:
             r = await client.post(path, content=body.encode())
             assert r.status_code == 400 and "more than once; keep one" in r.json()["error"], (path, r.text)
+
+
+async def test_a_request_listing_more_tensors_than_a_model_has_is_refused_at_once(repo):
+    async with rest_client(repo) as (client, _):
+        body = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 1, 4], "data": [0, 0, 0, 0]}],
+                "outputs": [{"name": "h_n"}] * 17}
+        r = await client.post("/v2/models/lstm/infer", content=json.dumps(body).encode())
+        assert r.status_code == 400 and "lists 17 outputs" in r.json()["error"]

@@ -22,6 +22,7 @@ from ...dataplane.types import (
     InferTensor,
     RequestedOutput,
     check_shape_size,
+    check_tensor_count,
     numpy_dtype,
     refuse_extensions,
 )
@@ -145,6 +146,8 @@ def _from_contents(name: str, datatype: str, shape: list[int], tensor) -> np.nda
 
 def decode_request(msg: pb.ModelInferRequest) -> InferRequest:
     """A ModelInferRequest as an :class:`InferRequest`, validating the tensor data."""
+    check_tensor_count("inputs", len(msg.inputs))
+    check_tensor_count("outputs", len(msg.outputs))
     raw = msg.raw_input_contents
     if raw:
         typed = [t.name for t in msg.inputs if t.HasField("contents")]

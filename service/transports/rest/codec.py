@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ...dataplane.types import (AnswerLimit, InferRequest, InferResponse, InferTensor, RequestedOutput, check_shape_size,
-                                numpy_dtype, refuse_extensions)
+                                check_tensor_count, numpy_dtype, refuse_extensions)
 from ...dataplane.validation import bool_parameter, out_of_range
 from ...errors import InvalidInput
 from ...json_keys import unique_keys
@@ -114,6 +114,7 @@ def decode_request(body: bytes, n: int | None, model: str, version: str) -> Infe
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidInput("request needs a non-empty 'inputs' list, e.g. "
                            '{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 2, 3], "data": [...]}]}')
+    check_tensor_count("inputs", len(raw_inputs))
     offset = 0
     inputs = []
     # NumPy reads [true, 3] as [1, 3]: data is scanned for booleans only when the JSON holds a literal at all
@@ -129,6 +130,7 @@ def decode_request(body: bytes, n: int | None, model: str, version: str) -> Infe
     if doc.get("outputs") is not None:
         if not isinstance(doc["outputs"], list):
             raise InvalidInput("'outputs' must be a list of {\"name\": ...} objects")
+        check_tensor_count("outputs", len(doc["outputs"]))
         outputs = []
         for o in doc["outputs"]:
             if not isinstance(o, dict) or not isinstance(o.get("name"), str):
