@@ -114,7 +114,8 @@ def _create_grpc(dataplane: DataPlane, settings: ServeSettings, reuse_port: bool
         log.warning("gRPC transport is not available (%s); serving REST only", exc)
         return None, f"gRPC off (transport not available: {exc})"
     server = create_grpc_server(dataplane, settings.host, settings.grpc_port,
-                                max_message_bytes=settings.max_request_bytes, reuse_port=reuse_port)
+                                max_message_bytes=settings.max_request_bytes, reuse_port=reuse_port,
+                                max_calls=settings.max_grpc_calls)
     return server, f"gRPC on {settings.host}:{server.bound_port}"
 
 

@@ -88,6 +88,12 @@ class ServeSettings(BaseSettings):
                     "A client that sends its headers or part of a body and then stops gets 408 and the connection "
                     "closes, instead of holding it and its buffered bytes for good. 0: no limit.",
     )
+    max_grpc_calls: int = Field(
+        4096, ge=0, le=10_000_000,
+        description="Most gRPC calls in progress at once in each server process (streams and health watches "
+                    "count); one more is refused with RESOURCE_EXHAUSTED at once. Each connection also holds at "
+                    "most 1,024 calls open. 0: no limit.",
+    )
     max_http_connections: int = Field(
         0, ge=0, le=10_000_000,
         description="Most HTTP connections open at once in each server process; one more gets 503 and is closed at "
