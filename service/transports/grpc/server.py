@@ -69,6 +69,11 @@ class ReadinessHealthServicer(health_aio.HealthServicer):
                         await context.write(health_pb2.HealthCheckResponse(status=status))
                         last = status
                     if self._gracefully_shutting_down:
+                        if last != health_pb2.HealthCheckResponse.NOT_SERVING:
+                            # woken with the shutdown begun but its NOT_SERVING not yet recorded (once in CI a watch
+                            # ended with nothing after SERVING): the watcher must hear NOT_SERVING before the end
+                            await context.write(health_pb2.HealthCheckResponse(
+                                status=health_pb2.HealthCheckResponse.NOT_SERVING))
                         return
                     await condition.wait()
         finally:
