@@ -241,11 +241,24 @@ class DataPlane:
         state = served.streams.open(stream.key, stream.start)
         if state.turn.take_now():
             return self._queue_chunk(served, state, stream, work, deadline)
-        return asyncio.ensure_future(self._chunk_after_turn(served, state, stream, work, deadline))
+        store, limit = served.streams, served.scheduler.max_queue_size
+        if store.waiting_chunks >= limit:
+            # chunks behind their stream's turn wait outside the scheduler's queue; without this bound 3,000
+            # concurrent chunks of one stream were all held (each up to --max-request-bytes)
+            raise Unavailable(f"model '{served.name}' is overloaded: {store.waiting_chunks} stream chunks wait for "
+                              f"their stream's earlier chunks (max_queue_size {limit}); send a stream's next chunk "
+                              f"once the previous one is answered, or retry later")
+        waiting = _Waiting(store)
+        task = asyncio.ensure_future(self._chunk_after_turn(served, state, stream, work, deadline, waiting))
+        task.add_done_callback(waiting.leave)  # also when cancelled before it ever ran
+        return task
 
     async def _chunk_after_turn(self, served: ServedVersion, state: StreamState, stream: StreamRequest,
-                                work: SequenceWork, deadline: float | None) -> dict:
-        await state.turn.take()
+                                work: SequenceWork, deadline: float | None, waiting: _Waiting) -> dict:
+        try:
+            await state.turn.take()
+        finally:
+            waiting.leave()
         return await self._queue_chunk(served, state, stream, work, deadline)
 
     def _queue_chunk(self, served: ServedVersion, state: StreamState, stream: StreamRequest, work: SequenceWork,
@@ -370,3 +383,19 @@ class DataPlane:
         self._changes.discard(task)
         if not task.cancelled():
             task.exception()  # retrieved: the caller has it, or left; the registry logged the failure
+
+
+class _Waiting:
+    """One stream chunk counted in its store's ``waiting_chunks`` until its turn comes (or it ends without one)."""
+
+    __slots__ = ("_store",)
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        store.waiting_chunks += 1
+
+    def leave(self, _: Any = None) -> None:
+        """Uncount it, once."""
+        if self._store is not None:
+            self._store.waiting_chunks -= 1
+            self._store = None

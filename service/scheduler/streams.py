@@ -114,6 +114,7 @@ class StreamStore:
         self.version = version
         self.max_streams = max_streams
         self.idle_timeout_s = idle_timeout_s
+        self.waiting_chunks = 0  # chunks waiting for their stream's turn (service.dataplane bounds them)
         self._metrics = metrics
         self._owns_gauges = True  # see release_gauges
         self._labels = {"model": model, "version": version}

@@ -300,3 +300,27 @@ async def test_a_string_sequence_id_is_a_short_key(repo):
         r = await client.post("/v2/models/lstm/infer", json=_chunk(x, "k" * 1025, True))
         assert r.status_code == 400 and "'sequence_id' is a string of 1025 characters; at most 1024" in r.json()["error"]
         assert (await client.post("/v2/models/lstm/infer", json=_chunk(x, "k" * 1024, True, True))).status_code == 200
+
+
+async def test_chunks_waiting_for_their_streams_turn_are_bounded_by_max_queue_size(repo):
+    """They wait outside the scheduler's queue: 3,000 concurrent chunks of one stream were all held (a probe)."""
+    write_config(repo, "lstm", max_queue_delay_us=300_000, max_queue_size=3)  # the first chunk holds the turn
+    x = np.random.default_rng(6).standard_normal((1, 4, 4)).astype(np.float32)
+    async with rest_client(repo) as (_, dataplane):
+        store = dataplane.registry.serving("lstm").streams
+        first = asyncio.create_task(dataplane.infer(_request(x, 41, 0, 1, sequence_start=True)))
+        await asyncio.sleep(0.005)
+        waiting = [asyncio.create_task(dataplane.infer(_request(x, 41, k, k + 1))) for k in (1, 2, 3)]
+        await asyncio.sleep(0.01)
+        assert store.waiting_chunks == 3 and not first.done()
+        with pytest.raises(Exception, match=r"3 stream chunks wait for their stream's earlier chunks \(max_queue_size 3\)"):
+            await dataplane.infer(_request(x, 41, 3, 4))
+        await asyncio.gather(first, *waiting)
+        assert store.waiting_chunks == 0
+        cancelled = asyncio.create_task(dataplane.infer(_request(x, 41, 0, 1, sequence_start=True)))
+        await asyncio.sleep(0.005)
+        behind = asyncio.create_task(dataplane.infer(_request(x, 41, 1, 2)))
+        await asyncio.sleep(0)
+        behind.cancel()  # cancelled while waiting: uncounted too
+        await asyncio.gather(cancelled, behind, return_exceptions=True)
+        assert store.waiting_chunks == 0
