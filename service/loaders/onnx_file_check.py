@@ -27,6 +27,7 @@ from onnx import NodeProto
 
 from ..errors import VerificationError
 from .onnx_graph import GraphIndex
+from .verify import last_line, runtime_lacks_kernel
 
 # ours(x [B, T, I] float64) -> (output [B, T, F], h of the last block's last layer [D, B, Ho], its c or None)
 OursRunner = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray | None, np.ndarray | None]]
@@ -51,8 +52,8 @@ def whole_file_check(path: Path, index: GraphIndex, chain: list[NodeProto], stac
             # severity 4: its warnings about the file's shapes say what the error below says
             session = ort.InferenceSession(str(path), session_options(ort, 4), providers=["CPUExecutionProvider"])
         except Exception as exc:  # noqa: BLE001 - any refusal by the runtime is the file's to report
-            if _unsupported(exc):  # valid ONNX that onnxruntime lacks a kernel for (e.g. layout=1 recurrent nodes)
-                return {"ran": False, "reason": f"onnxruntime does not support the file: {_last_line(exc)}"}
+            if runtime_lacks_kernel(exc):  # valid ONNX that onnxruntime lacks a kernel for (e.g. layout=1 recurrent nodes)
+                return {"ran": False, "reason": f"onnxruntime does not support the file: {last_line(exc)}"}
             raise _refused(path, index, "load", exc) from exc
         x_name = _stack_input(index, chain[0]) if stack_is_graph else None
         names = [o.name for o in session.get_outputs()]
@@ -62,15 +63,15 @@ def whole_file_check(path: Path, index: GraphIndex, chain: list[NodeProto], stac
                 outputs = dict(zip(names, session.run(names, feeds)))
                 break
             except Exception as exc:  # noqa: BLE001
-                if _unsupported(exc):
-                    return {"ran": False, "reason": f"onnxruntime does not support the file: {_last_line(exc)}"}
+                if runtime_lacks_kernel(exc):
+                    return {"ran": False, "reason": f"onnxruntime does not support the file: {last_line(exc)}"}
                 if not guessed:
                     raise _refused(path, index, "run", exc) from exc
                 failure = exc  # the probe may be what is wrong, not the file: the next sizes, if any
         else:
             return {"ran": False, "reason": f"onnxruntime did not run it on rnnserve's probe, whose sizes or types "
                                             f"for the inputs {', '.join(guessed)} may not fit the file: "
-                                            f"{_last_line(failure)}"}
+                                            f"{last_line(failure)}"}
         record: dict[str, Any] = {"ran": True, "compared": []}
         if x is None:
             return record
@@ -103,19 +104,8 @@ def session_options(ort: Any, log_level: int) -> Any:
     return opts
 
 
-def _last_line(exc: Exception) -> str:
-    return (str(exc).strip().splitlines() or [""])[-1][:400]
-
-
-def _unsupported(exc: Exception) -> bool:
-    """onnxruntime lacks what the file uses (NOT_IMPLEMENTED, "not supported", "does not support double yet": its
-    GRU kernel in float64), rather than finding it wrong."""
-    text = str(exc)
-    return "NOT_IMPLEMENTED" in text or "not supported" in text.lower() or "does not support" in text.lower()
-
-
 def _refused(path: Path, index: GraphIndex, what: str, exc: Exception) -> VerificationError:
-    first = _last_line(exc)
+    first = last_line(exc)
     hint = ""
     if _state_wider_than_node(index):
         hint = (" (an initial state wider than its node's hidden_size: torch.onnx.export's dynamo exporter writes an "

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ..errors import VerificationError
-from .verify import probe_input
+from .verify import last_line, probe_input
 
 _RUNTIME = "torch (the archive's own forward)"
 # ours(x [B, T, I] float64) -> (output [B, T, F], h [D, B, Ho], c [D, B, H] or None): the converted model at full
@@ -47,7 +47,7 @@ def archive_check(path: Path, input_size: int, compare: bool, rtol: float, atol:
                 with torch.no_grad():
                     result = module(torch.from_numpy(np.ascontiguousarray(feed)).to(dtype))
             except Exception as exc:  # noqa: BLE001 - an input the archive does not take: the other layout may fit
-                failures.append(f"{layout}: {type(exc).__name__}: {_last_line(exc)}")
+                failures.append(f"{layout}: {type(exc).__name__}: {last_line(exc)}")
                 continue
             if not compare:
                 return {"ran": True, "runtime": _RUNTIME, "compared": []}
@@ -102,7 +102,3 @@ def _tensors(value: Any, where: str) -> Iterator[tuple[str, Any]]:
     elif isinstance(value, dict):
         for k, item in value.items():
             yield from _tensors(item, f"{where}[{k!r}]")
-
-
-def _last_line(exc: Exception) -> str:
-    return (str(exc).strip().splitlines() or [""])[-1][:300]

@@ -31,6 +31,18 @@ def _missing(fmt: str) -> str:
             f"conversion (pip install 'rnnserve[{fmt}]' and convert again)")
 
 
+def last_line(exc: BaseException) -> str:
+    """The last line of a framework's error (where its runtimes say what went wrong), cut to 400 characters."""
+    return (str(exc).strip().splitlines() or [""])[-1][:400]
+
+
+def runtime_lacks_kernel(exc: BaseException) -> bool:
+    """A framework's runtime lacks what a file uses (onnxruntime's NOT_IMPLEMENTED, "not supported", "does not
+    support double yet"), rather than finding the file wrong."""
+    text = str(exc).lower()
+    return "not_implemented" in text or "not support" in text
+
+
 def verify_against_source(model: PackedModel, loaded: LoadedSource) -> dict[str, Any]:
     """Compare outputs; return a record for the provenance, raise VerificationError on mismatch."""
     if loaded.runner is None:
@@ -43,15 +55,13 @@ def verify_against_source(model: PackedModel, loaded: LoadedSource) -> dict[str,
     try:
         expected = np.asarray(loaded.runner(x, lengths), dtype=np.float64)
     except Exception as exc:  # noqa: BLE001 - any failure of the framework's own runtime is the file's to report
-        first = (str(exc).strip().splitlines() or [""])[-1][:400]
-        text = str(exc).lower()
         # a valid file the runtime has no kernel for (onnxruntime's GRU in float64) is not the file's fault
         advice = ("the runtime has no kernel for what the file holds (e.g. float64 weights): export it in float32, "
-                  "or convert with --no-verify" if "not_implemented" in text or "not support" in text
+                  "or convert with --no-verify" if runtime_lacks_kernel(exc)
                   else f"the file is likely invalid for {loaded.format}: export it again")
         raise VerificationError(
             f"{loaded.format}'s own runtime could not run the source model to check the conversion "
-            f"({type(exc).__name__}: {first}); {advice}"
+            f"({type(exc).__name__}: {last_line(exc)}); {advice}"
         ) from exc
     got = ReferenceEngine(model, dtype=np.float64).forward(x.astype(np.float64), lengths).output
     if expected.shape != got.shape:
