@@ -46,13 +46,14 @@ def load_torch(path: Path, select: str | None = None, cell: str | None = None, *
     notes = [note for module in modules for note in module.notes]
     if tf.checkpoint_key:
         notes.insert(0, "took the state dict from checkpoint" + "".join(f"['{k}']" for k in tf.checkpoint_key))
-    unserved = _unserved_modules(tf, modules)
+    owned = {name for module in modules for name in module.names.values()}
+    unserved = _unserved_modules(tf, modules, owned)
     if unserved:
         # the check against torch rebuilds only the recurrent modules, and output shapes often match the whole
         # model's, so this note is the one place a user learns the served model is a part
         notes.append(unserved_note(" -> ".join(display(m.prefix) for m in modules), "file",
                                    f"tensors of {', '.join(unserved)}", "module"))
-    notes += _state_like(tf, modules)
+    notes += _state_like(tf, modules, owned)
     details = {"torch": {"file": tf.kind, "modules": [m.label() for m in modules]}}
     runner = _runner(modules, tf)
     if tf.kind == "TorchScript":
@@ -109,10 +110,10 @@ def _select(tf: TensorFile, path: Path, select: str | None, cell: str | None) ->
     return chosen
 
 
-def _state_like(tf: TensorFile, modules: list[TorchRNN]) -> list[str]:
+def _state_like(tf: TensorFile, modules: list[TorchRNN], owned: set[str]) -> list[str]:
     """Notes for the file's other tensors shaped like an initial state of the first module ([L*D, (B,) Ho or H]): a
-    learned h0 the model starts from, which a served model starts from zeros without."""
-    owned = {name for module in modules for name in module.names.values()}
+    learned h0 the model starts from, which a served model starts from zeros without. ``owned``: the served
+    modules' tensors."""
     first = modules[0]
     rows, widths = first.num_layers * first.directions, {first.output_size, first.hidden_size}
     notes = []
@@ -124,10 +125,9 @@ def _state_like(tf: TensorFile, modules: list[TorchRNN]) -> list[str]:
     return notes
 
 
-def _unserved_modules(tf: TensorFile, modules: list[TorchRNN]) -> list[str]:
+def _unserved_modules(tf: TensorFile, modules: list[TorchRNN], owned: set[str]) -> list[str]:
     """The modules (by prefix, '<root>' for top-level tensors) that hold the file's other tensors; tensors beside a
-    served module's weights by their own names."""
-    owned = {name for module in modules for name in module.names.values()}
+    served module's weights by their own names. ``owned``: the served modules' tensors."""
     served = {module.prefix for module in modules}
     # beside a served module's own weights (a step counter, a learned state) the tensor is named, not its module
     others = dict.fromkeys(name if name.rpartition(".")[0] in served else display(name.rpartition(".")[0])
