@@ -113,9 +113,12 @@ def _create_grpc(dataplane: DataPlane, settings: ServeSettings, reuse_port: bool
     except ImportError as exc:
         log.warning("gRPC transport is not available (%s); serving REST only", exc)
         return None, f"gRPC off (transport not available: {exc})"
+    from .transports.grpc.limits import GrpcLimits
+    limits = GrpcLimits.of(settings.max_grpc_calls, settings.max_grpc_connections, settings.body_timeout_s,
+                           settings.max_request_bytes, settings.frontends)
     server = create_grpc_server(dataplane, settings.host, settings.grpc_port,
-                                max_message_bytes=settings.max_request_bytes, reuse_port=reuse_port,
-                                max_calls=settings.max_grpc_calls)
+                                max_message_bytes=settings.max_request_bytes, reuse_port=reuse_port, limits=limits)
+    log.info("%s", limits.describe())
     return server, f"gRPC on {settings.host}:{server.bound_port}"
 
 

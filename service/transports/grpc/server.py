@@ -11,6 +11,7 @@ from grpc_health.v1.health import aio as health_aio
 from ...errors import cut_off_by_drain
 from ...ports import bind_listener, listen_error
 from .calls import CallTracker
+from .limits import GrpcLimits
 from . import late_answers
 from .generated import inference_pb2 as pb
 from .servicer import InferenceServicer
@@ -146,20 +147,16 @@ class GRPCServer:
         return getattr(self.server, name)
 
 
-MAX_STREAMS_PER_CONNECTION = 1024
-
-
 def create_grpc_server(
     dataplane, host: str, port: int, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, reuse_port: bool = False,
-    max_calls: int = 0,
+    limits: GrpcLimits = GrpcLimits(),
 ) -> GRPCServer:
     """An unstarted gRPC server for ``dataplane``, bound to ``host:port``.
 
     Port 0 picks a free port; ``bound_port`` on the result is the port bound.
     ``max_message_bytes`` limits both received and sent messages (a request's raw
-    tensors and a response's outputs travel in one message each); ``max_calls`` the calls
-    in progress at once (0: no limit), and each connection holds at most
-    :data:`MAX_STREAMS_PER_CONNECTION` calls open. ``reuse_port`` lets
+    tensors and a response's outputs travel in one message each); ``limits`` the calls in
+    progress, connections and handshake time (see :mod:`.limits`). ``reuse_port`` lets
     sibling front-end processes listen on the same port; without it the port is this
     server's alone (grpc's default would let a second server join it: see
     :mod:`service.ports`). Call it from the event loop that will run the server.
@@ -169,13 +166,11 @@ def create_grpc_server(
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.so_reuseport", int(reuse_port)),
-            # streams one connection may hold open at once (grpc's default is unbounded: a client that opens
-            # thousands and sends part of a message on each made the server buffer gigabytes)
-            ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+            *limits.options(),
         ],
         # past it a call is refused with RESOURCE_EXHAUSTED at once, rather than left for grpc-core to cancel
         # with a bare CANCELLED when the process falls behind (a flood of 4,000 calls: 884 such)
-        maximum_concurrent_rpcs=max_calls or None,
+        maximum_concurrent_rpcs=limits.max_calls or None,
     )
     late_answers.install()
     inference = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
