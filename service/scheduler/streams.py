@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 from ..engines.state_pool import StatePool
 from ..errors import NotFound, Unavailable
+from ..log_limit import ThrottledLog
 from ..metrics import ServerMetrics
 
 log = logging.getLogger("rnnserve.streams")
@@ -122,6 +123,7 @@ class StreamStore:
         self._ended: OrderedDict[str, str] = OrderedDict()
         self._last_sweep = 0.0
         self._sweeper: asyncio.Task | None = None
+        self._restarts_log = ThrottledLog(log)  # a client restarting streams on every chunk must not flood the log
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -147,8 +149,10 @@ class StreamStore:
                 # As Triton: the live stream ends early and this chunk starts a new one (a client that restarts
                 # its sequence under the same id, after a crash or a reconnect, is not locked out until expiry);
                 # its chunks still waiting are refused, saying so.
-                log.warning("stream %s of model '%s' got a second sequence_start while live: the earlier stream "
-                            "ends early and a new one starts", key if key.isprintable() else ascii(key), self.model)
+                self._restarts_log.warning(
+                    "stream %s of model '%s' got a second sequence_start while live: the earlier stream ends early "
+                    "and a new one starts (rnnserve_stream_ends_total{reason=\"restart\"} counts them all)",
+                    key if key.isprintable() else ascii(key), self.model)
                 self.close(state, "was restarted: a later chunk started the sequence again (sequence_start)",
                            "restart")
             if len(self._streams) >= self.max_streams:

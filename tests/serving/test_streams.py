@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from service import create_engine
 from service.dataplane import InferRequest, InferTensor
 from service.repository import load_model
-from serving_support import rest_client, write_config
+from serving_support import metric_value, rest_client, write_config
 
 pytestmark = pytest.mark.asyncio
 
@@ -271,6 +272,19 @@ async def test_a_second_start_restarts_the_stream_and_refuses_its_waiting_chunks
         await held  # it had its turn: it runs and is answered
         after = await dataplane.infer(_request(x, 5, 3, 6, sequence_end=True))
     np.testing.assert_allclose(_answer_output([restarted, after]), engine.forward(x).output, atol=1e-5)
+
+
+async def test_restarts_on_every_chunk_log_one_line_and_are_all_counted(repo, caplog):
+    """A client restarting its stream with every chunk logged a warning each time (a probe's loop filled the log);
+    now one line a period says how many went unlogged, and the metric counts every restart."""
+    x = np.random.default_rng(5).standard_normal((1, 2, 4)).astype(np.float32)
+    async with rest_client(repo) as (_, dataplane):
+        with caplog.at_level(logging.WARNING, logger="rnnserve"):
+            for _ in range(50):
+                await dataplane.infer(_request(x, 9, 0, 2, sequence_start=True))
+        restarts = [r for r in caplog.records if "second sequence_start" in r.getMessage()]
+        assert len(restarts) == 1, [r.getMessage() for r in restarts]
+        assert metric_value(dataplane, "rnnserve_stream_ends_total", model="lstm", reason="restart") == 49
 
 
 async def test_a_restart_at_max_streams_while_its_chunk_runs_is_admitted(repo):
