@@ -90,3 +90,17 @@ def test_connections_past_the_cap_get_503_at_once_and_the_cap_frees_with_them(se
             sock.close()
     time.sleep(0.3)
     assert httpx.get(f"{http_url}/v2/health/live", timeout=5).status_code == 200
+
+
+def test_a_content_length_shorter_than_the_body_gets_a_json_error_for_the_rest(server):
+    """The body's extra bytes are read as the next request; the parser's refusal of them was uvicorn's plain text."""
+    _, addr = server
+    body = b'{"inputs": []}' + b"GARBAGE BEYOND THE LENGTH\r\n\r\n"
+    with socket.create_connection(addr) as sock:
+        sock.sendall(b"POST /v2/models/lstm/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 14\r\n\r\n" + body)
+        answer = _read_all(sock)
+    # read in one piece, the parser refuses the whole stream before the app answers the first request
+    assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json"), answer[:300]
+    assert b'{"error": "the request is not valid HTTP/1.1' in answer and b"Content-Length" in answer
+    assert b"text/plain" not in answer and b"Invalid HTTP request received" not in answer

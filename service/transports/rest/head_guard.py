@@ -1,4 +1,4 @@
-"""HeadGuard: uvicorn's HTTP protocol with limits on request heads and on open connections.
+"""HeadGuard: uvicorn's HTTP protocol with limits on request heads and on open connections, and JSON errors.
 
 uvicorn (with httptools) bounds neither the size of a request head nor the time it may take:
 one client sending a header that never ends grew a server by ~1 GB a minute and slowed every
@@ -10,7 +10,8 @@ and waited held their file descriptors until none was left, for gRPC too. So her
 - a head must arrive whole within ``head_timeout_s`` (the server's ``--body-timeout-s``) of
   its first byte, or of the connection's start; then 408 (nothing sent yet: just closed);
 - at most ``max_connections`` HTTP connections are open at once (``--max-http-connections``);
-  one more gets 503 and is closed at once, so its descriptor is free again.
+  one more gets 503 and is closed at once, so its descriptor is free again;
+- a request the parser cannot read gets a JSON 400, as every other error, not uvicorn's text.
 
 Counting is per chunk read, after the parser has seen it: a chunk is counted when the head
 was already incomplete before it and still is after it, so a body that arrives with its head is
@@ -35,6 +36,11 @@ def _answer(status: int, reason: str, message: str) -> bytes:
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             f"connection: close\r\n\r\n").encode() + body
 
+
+_MALFORMED = _answer(400, "Bad Request",
+                    "the request is not valid HTTP/1.1: its request line, its headers or its body's framing could not "
+                    "be parsed (a Content-Length other than the body's size runs the body into the next request); "
+                    "send a well-formed request")
 
 _TOO_LARGE = _answer(431, "Request Header Fields Too Large",
                      f"the request line and headers take more than {MAX_HEAD_BYTES} bytes; send fewer or shorter "
@@ -82,6 +88,11 @@ def head_guard(head_timeout_s: float, max_connections: int) -> type[HttpToolsPro
                     self._stop_head_timer()
                     self.transport.write(_TOO_LARGE)
                     self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn's own answer is plain text; every other error of the server is {"error": ...}
+            self.transport.write(_MALFORMED)
+            self.transport.close()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
