@@ -17,3 +17,25 @@ def test_a_throttled_warning_says_how_many_went_unlogged(caplog, monkeypatch):
     assert [r.getMessage() for r in caplog.records] == [
         "restart 0", "restart 10 (9 more like it in the last 10 s were not logged)",
         "restart 20 (9 more like it in the last 10 s were not logged)"]
+
+
+def test_a_library_line_is_throttled_by_its_text_and_others_pass(caplog, monkeypatch):
+    from service.log_limit import ThrottleFilter
+
+    clock = [0.0]
+    monkeypatch.setattr("service.log_limit.time.monotonic", lambda: clock[0])
+    logger = logging.getLogger("rnnserve.test.lib")
+    throttle = ThrottleFilter(("Invalid HTTP request received.",), period_s=10)
+    logger.addFilter(throttle)
+    try:
+        with caplog.at_level(logging.WARNING, logger="rnnserve.test.lib"):
+            for _ in range(5):
+                logger.warning("Invalid HTTP request received.")
+                logger.warning("something else")
+            clock[0] = 11.0
+            logger.warning("Invalid HTTP request received.")
+    finally:
+        logger.removeFilter(throttle)
+    assert [r.getMessage() for r in caplog.records] == (
+        ["Invalid HTTP request received."] + ["something else"] * 5
+        + ["Invalid HTTP request received. (4 more like it in the last 11 s were not logged)"])

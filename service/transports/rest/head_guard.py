@@ -11,7 +11,8 @@ and waited held their file descriptors until none was left, for gRPC too. So her
   its first byte, or of the connection's start; then 408 (nothing sent yet: just closed);
 - at most ``max_connections`` HTTP connections are open at once (``--max-http-connections``);
   one more gets 503 and is closed at once, so its descriptor is free again;
-- a request the parser cannot read gets a JSON 400, as every other error, not uvicorn's text.
+- a request the parser cannot read gets a JSON 400, as every other error, not uvicorn's text,
+  and uvicorn's warning for it is logged at most once every 10 s.
 
 Counting is per chunk read, after the parser has seen it: a chunk is counted when the head
 was already incomplete before it and still is after it, so a body that arrives with its head is
@@ -23,10 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import resource
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from ...log_limit import ThrottleFilter
 
 MAX_HEAD_BYTES = 64 * 1024
 
@@ -56,8 +60,17 @@ def http_connection_cap(setting: int) -> int:
     return 0 if soft == resource.RLIM_INFINITY else max(16, soft * 3 // 4)
 
 
+# uvicorn's warnings that any client can cause with every request it sends
+_CLIENT_CAUSED = ThrottleFilter(("Invalid HTTP request received.", "Unsupported upgrade request."))
+
+
 def head_guard(head_timeout_s: float, max_connections: int) -> type[HttpToolsProtocol]:
-    """The protocol class uvicorn should use: HttpToolsProtocol with these limits (0: no limit)."""
+    """The protocol class uvicorn should use: HttpToolsProtocol with these limits (0: no limit).
+
+    It also throttles uvicorn's warnings for unreadable requests to one line every 10 s."""
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    if _CLIENT_CAUSED not in uvicorn_log.filters:
+        uvicorn_log.addFilter(_CLIENT_CAUSED)
     timeout_answer = _answer(408, "Request Timeout", f"the request's headers did not arrive whole within "
                                                      f"{head_timeout_s:g} s (--body-timeout-s); send them at once")
     busy_answer = _answer(503, "Service Unavailable", f"this server holds {max_connections} HTTP connections "
