@@ -50,7 +50,9 @@ def test_calls_past_the_limit_are_refused_with_resource_exhausted_and_the_rest_a
         for call in calls:
             try:
                 got = np.frombuffer(call.result().raw_output_contents[0], np.float32)
-                np.testing.assert_array_equal(got, want)
+                # bit for bit on the compiled CPU kernels; NumPy's fallback (a host with no C compiler) sums in
+                # another order for other batch sizes, ~1.5e-5 apart after 50,000 steps (an H100 host)
+                np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
                 answered += 1
             except grpc.RpcError as exc:
                 assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details()
