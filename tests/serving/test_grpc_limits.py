@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
+from service.host_memory import host_memory_bytes
 from service.spec import BlockSpec
 from service.transports.grpc.limits import GrpcLimits, auto_call_cap
 from service.transports.grpc.generated import inference_pb2 as pb
@@ -115,3 +116,16 @@ def test_connections_past_the_limit_and_silent_ones_are_closed_and_clients_then_
     finally:
         assert stop_server(proc) == 0
     assert any("gRPC limits:" in line and "3 connections" in line for line in lines), lines
+
+
+def test_front_ends_share_the_automatic_call_limit(tmp_path):
+    """Each front-end runs with the settings of one process; its automatic limit must still be its share."""
+    repo = tmp_path / "models"
+    make_model(BlockSpec("lstm", 4, 8), seed=1).save(repo, "m", 1)
+    lines: list[str] = []
+    size = host_memory_bytes() // 2 // 1000   # one process would take 1,000 calls; each of two, 500
+    proc, _, _ = start_server(repo, "--frontends", "2", "--max-request-bytes", str(size), output=lines)
+    assert stop_server(proc) == 0
+    want = f"gRPC limits: {auto_call_cap(size, 2):,} calls in progress"
+    assert auto_call_cap(size, 2) == 500
+    assert sum(want in line for line in lines) == 2, [line for line in lines if "gRPC limits" in line]
