@@ -39,6 +39,7 @@ from .settings import ServeSettings
 from .transports.rest.balanced_accept import ConnectionTable, shared_listener
 
 log = logging.getLogger("rnnserve.frontends")
+WAITING_REPORT_S = 0.25  # how stale rnnserve_frontend_queue_depth may be; a report costs the engine process ~µs
 
 
 def run_frontend(settings: dict[str, Any], socket_paths: list[str], http_share: SharedHTTP | None,
@@ -60,15 +61,25 @@ async def _frontend(settings: ServeSettings, socket_paths: list[str], http_share
     freeze_heap()
     eventloop.start_stall_watch()
     start_beating(heartbeat)
+    reporter = asyncio.create_task(_report_waiting(dataplane), name="report-waiting")
     started.put(("ok", os.getpid()))
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({stopper, transports.http_task}, return_when=asyncio.FIRST_COMPLETED)
     dataplane.begin_drain()
     await transports.drain(settings)
     stopper.cancel()
+    reporter.cancel()
     remove_stop_handlers()
     await dataplane.close()
     return 0
+
+
+async def _report_waiting(dataplane: RemoteDataPlane | ShardedDataPlane) -> None:
+    """Report the requests waiting in this front-end to the engine processes every :data:`WAITING_REPORT_S`
+    (``rnnserve_frontend_queue_depth``; a report goes only when the counts changed)."""
+    while True:
+        await asyncio.sleep(WAITING_REPORT_S)
+        dataplane.report_waiting()
 
 
 async def serve_with_frontends(settings: ServeSettings, stop_event: asyncio.Event | None = None) -> int:

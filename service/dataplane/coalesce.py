@@ -80,6 +80,11 @@ class _Coalescing(ABC):
         self._max_waiting = max_waiting  # the model's max_queue_size: requests waiting here at most
         self._scheduled = False
 
+    @property
+    def waiting(self) -> int:
+        """Requests waiting here for a message slot."""
+        return len(self._waiting)
+
     def submit(self, prepared: Prepared) -> asyncio.Future:
         """Queue one validated request; the future gets its outputs by name (or its error).
 

@@ -204,6 +204,10 @@ class DataPlane:
         because its own queue was full (``unavailable``), or cancelled before it sent them (``cancelled``)."""
         self._count(model, version, outcome, requests)
 
+    def set_frontend_waiting(self, model: str, version: str, requests: int) -> None:
+        """``requests`` of ``model``/``version`` wait in the front-end processes, as they last reported."""
+        self.metrics.frontend_queue_depth.labels(model=model, version=version).set(requests)
+
     def _count_refused(self, name: str, served: ServedVersion | None, exc: RNNServeError, requests: int = 1) -> None:
         """Count ``requests`` refused before they were queued (unknown names under model "")."""
         if served is not None:

@@ -168,6 +168,7 @@ class DataPlaneServer:
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task] = set()
         self._calls: dict[tuple[int, int], Any] = {}  # (connection, call id) -> its work, until answered
+        self._waiting: dict[int, dict[tuple[str, str], int]] = {}  # connection -> its front-end's waiting requests
 
     async def start(self) -> None:
         """Listen on the socket."""
@@ -200,6 +201,9 @@ class DataPlaneServer:
             if method == "count":
                 self.dataplane.count_outcome(*args)
                 return
+            if method == "waiting":
+                self._frontend_waiting(conn, *args)
+                return
             if method == "attach_arena":
                 try:
                     arenas.attach(*args)
@@ -228,9 +232,19 @@ class DataPlaneServer:
         def on_lost() -> None:
             for path in attached:
                 arenas.detach(path)
+            self._frontend_waiting(conn, {})
 
         conn = FrameConnection(on_frame, on_lost)
         return conn
+
+    def _frontend_waiting(self, conn: FrameConnection, counts: dict[tuple[str, str], int]) -> None:
+        """A front-end's requests waiting in its lanes, by (model, version), as it reports them when they change;
+        the gauge is the sum over the front-ends connected."""
+        before = self._waiting.pop(id(conn), {})
+        if counts:
+            self._waiting[id(conn)] = counts
+        for key in before.keys() | counts.keys():
+            self.dataplane.set_frontend_waiting(*key, sum(c.get(key, 0) for c in self._waiting.values()))
 
     def _track(self, conn: FrameConnection, msg_id: int, work: Any) -> None:
         """Keep call ``msg_id``'s future (or list of futures, one per item) until it is answered, so that the
@@ -338,6 +352,8 @@ class RemoteDataPlane:
         self._lanes: dict[tuple[str, str, int], Lane] = {}
         self._chunk_lanes: dict[tuple[str, str, int], ChunkLane] = {}
         self._many: dict[asyncio.Future, int] = {}  # submit_many calls not yet settled: their ids, to cancel items
+        self._lane_labels: dict[tuple[str, str, int], tuple[str, str]] = {}  # lane key -> (model, version served)
+        self._reported: dict[tuple[str, str], int] = {}  # waiting requests as last told to the engine process
 
     async def connect(self) -> None:
         """Open the connection to the engine process."""
@@ -527,6 +543,7 @@ class RemoteDataPlane:
     def _lane(self, key: tuple[str, str], view: ModelView) -> Lane:
         lane = self._lanes.get(key + (view.generation,))
         if lane is None:
+            self._lane_labels[key + (view.generation,)] = (view.name, view.label)
             lane = self._lanes[key + (view.generation,)] = Lane(
                 view, partial(self._send, "submit", *key, view.generation),
                 dropped=partial(self._tell_count, view, "cancelled"))
@@ -535,6 +552,7 @@ class RemoteDataPlane:
     def _chunk_lane(self, key: tuple[str, str], view: ModelView) -> ChunkLane:
         lane = self._chunk_lanes.get(key + (view.generation,))
         if lane is None:
+            self._lane_labels[key + (view.generation,)] = (view.name, view.label)
             lane = self._chunk_lanes[key + (view.generation,)] = ChunkLane(
                 partial(self._send, "submit", *key, view.generation),
                 partial(self._send, "submit_many", *key, view.generation), self._cancel_item, view.max_queue_size,
@@ -547,6 +565,22 @@ class RemoteDataPlane:
             del self._views[key]
         self._lanes.pop(key + (view.generation,), None)
         self._chunk_lanes.pop(key + (view.generation,), None)
+        self._lane_labels.pop(key + (view.generation,), None)
+
+    def report_waiting(self) -> None:
+        """Tell the engine process how many requests wait in this front-end's lanes, by model and version, when
+        that changed since the last report (no reply): its ``rnnserve_frontend_queue_depth``."""
+        counts: dict[tuple[str, str], int] = {}
+        for lanes in (self._lanes, self._chunk_lanes):
+            for key, lane in lanes.items():
+                label = self._lane_labels.get(key)
+                if label is not None and lane.waiting:
+                    counts[label] = counts.get(label, 0) + lane.waiting
+        if counts == self._reported or self._conn is None or self._conn.closed:
+            return
+        # every model that waited before and waits no more is sent as 0, so that its gauge goes back
+        self._conn.send((None, "waiting", ({**dict.fromkeys(self._reported, 0), **counts},)))
+        self._reported = counts
 
     async def load_model(self, name: str) -> None:
         await self._call("load_model", name)

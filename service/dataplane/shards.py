@@ -84,6 +84,11 @@ class ShardedDataPlane:
         """Close every connection; calls still waiting fail with Unavailable."""
         await asyncio.gather(*(shard.close() for shard in self.shards))
 
+    def report_waiting(self) -> None:
+        """Tell each engine process how many requests wait in this front-end for it (see RemoteDataPlane)."""
+        for shard in self.shards:
+            shard.report_waiting()
+
     def begin_drain(self) -> None:
         """Report not ready from now on (this front-end is stopping)."""
         self._draining = True

@@ -94,7 +94,12 @@ class ServerMetrics:
             "rnnserve_batch_failures", "Engine calls that raised; their requests failed.", MV, registry=r)
         self.queue_depth = Gauge(
             "rnnserve_queue_depth", "Requests waiting in the scheduler (with --frontends N, the engine "
-            "process's: requests a front-end holds back while its messages are out are not counted).", MV, registry=r)
+            "process's: requests a front-end holds back while its messages are out are "
+            "rnnserve_frontend_queue_depth).", MV, registry=r)
+        self.frontend_queue_depth = Gauge(
+            "rnnserve_frontend_queue_depth", "Requests waiting in the front-end processes (with --frontends N) for "
+            "their front-end's messages to the engine process to come back, as last reported (every 0.25 s); "
+            "add rnnserve_queue_depth for every request waiting.", MV, registry=r)
         self.active_streams = Gauge(
             "rnnserve_active_streams", "Live stateful streams (sequence_id) holding state on the server.", MV,
             registry=r)
@@ -152,7 +157,7 @@ class ServerMetrics:
         and live streams of a version that no longer serves say nothing, so they go.
         """
         self.model_ready.labels(model=model, version=version).set(0)
-        for gauge in (self.queue_depth, self.active_streams):
+        for gauge in (self.queue_depth, self.frontend_queue_depth, self.active_streams):
             with contextlib.suppress(KeyError):  # never set for this version
                 gauge.remove(model, version)
 

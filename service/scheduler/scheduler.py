@@ -131,6 +131,8 @@ class Scheduler:
             for name in ("batch_failures", "compute_duration", "batch_size", "batch_timesteps",
                          "computed_timesteps", "useful_timesteps", "queue_duration", "queue_depth",
                          "computed_requests", "request_compute")})
+        if metrics is not None:  # set by front-ends' reports (--frontends N); at 0 from the start, as queue_depth
+            metrics.frontend_queue_depth.labels(**self._labels)
 
     @property
     def depth(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -170,6 +171,51 @@ def test_concurrent_requests_coalesced_by_front_ends_equal_their_single_answers(
     if os.path.isdir("/dev/shm"):
         maps = Path(f"/proc/{proc.pid}/maps").read_text()
         assert len(set(re.findall(r"/dev/shm/(rnnserve-\S+)", maps))) == 2  # both front-ends', files removed
+
+
+def _frontend_waiting(http: str) -> float:
+    text = urllib.request.urlopen(f"http://{http}/metrics", timeout=10).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "rnnserve_frontend_queue_depth" and s.labels.get("model") == "lstm")
+
+
+def test_requests_waiting_in_the_front_ends_are_counted_and_go_back_to_zero(frontends_server):
+    """rnnserve_queue_depth is the engine process's queue; what the front-ends hold back while their messages are
+    out was counted nowhere (an autoscaler on the queue saw 0 with requests waiting)."""
+    _, _, http, grpc = frontends_server
+    x = np.random.default_rng(8).standard_normal((1, 20_000, 4)).astype(np.float32)
+    stop, lock, state = threading.Event(), threading.Lock(), {"out": 0, "errors": []}
+    seen = []
+    with tg.InferenceServerClient(grpc) as gc:
+        def send() -> None:
+            with lock:
+                state["out"] += 1
+            gc.async_infer("lstm", [_grpc_input(x)], again, outputs=[tg.InferRequestedOutput("h_n")])
+
+        def again(result, error) -> None:  # a closed loop: 16 requests always open, so some always wait
+            with lock:
+                state["out"] -= 1
+                if error is not None:
+                    state["errors"].append(error)
+            if not stop.is_set():
+                send()
+
+        for _ in range(16):
+            send()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(seen[-3:]):
+            seen.append(_frontend_waiting(http))
+            time.sleep(0.05)
+        stop.set()
+        deadline = time.monotonic() + 30
+        while state["out"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert not state["errors"] and not state["out"], state
+    assert max(seen) > 0, seen
+    deadline = time.monotonic() + 5
+    while _frontend_waiting(http) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _frontend_waiting(http) == 0
 
 
 def _gru_gauges(http: str) -> dict[str, float]:
