@@ -58,7 +58,8 @@ def load_torch(path: Path, select: str | None = None, cell: str | None = None, *
     runner = _runner(modules, tf)
     if tf.kind == "TorchScript":
         scope = ""
-        file_check = None if runner is None else archive_check(path, layers[0].input_size, not unserved, RTOL, ATOL)
+        file_check = None if runner is None else archive_check(path, layers[0].input_size, not unserved, RTOL, ATOL,
+                                                                   stack=[m.prefix for m in modules])
     else:
         kinds = sorted({f"nn.{_TORCH_CLASS[m.cell]}" for m in modules})
         scope = (f"the file's weights in rebuilt {' and '.join(kinds)} modules: a {tf.kind} holds no code, so what "

@@ -11,7 +11,9 @@ conversion is refused (``--no-verify`` serves the recurrent modules alone on pur
 
 The probe is tried batch-first and time-first, since the archive does not say which it takes. An
 archive holding more tensors than its recurrent modules' (a head, an embedding) runs but is not
-compared: its outputs are more than the served modules' (the loader's note names the rest).
+compared: its outputs are more than the served modules' (the loader's note names the rest); a
+stack of several of its modules is then checked on the archive's graph instead, each module fed
+straight from the one before (:mod:`.torchscript_links`).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ..errors import VerificationError
+from .torchscript_links import stack_problem
 from .verify import last_line, probe_input
 
 _RUNTIME = "torch (the archive's own forward)"
@@ -29,13 +32,22 @@ _RUNTIME = "torch (the archive's own forward)"
 OursRunner = Callable[[np.ndarray], tuple]
 
 
-def archive_check(path: Path, input_size: int, compare: bool, rtol: float, atol: float) -> Callable[[OursRunner], dict]:
-    """``check(ours)``: the provenance record (``{"ran": ..., "compared": [...]}``), or VerificationError."""
+def archive_check(path: Path, input_size: int, compare: bool, rtol: float, atol: float,
+                  stack: list[str] | None = None) -> Callable[[OursRunner], dict]:
+    """``check(ours)``: the provenance record (``{"ran": ..., "compared": [...]}``), or VerificationError.
+
+    ``stack``: the served modules' prefixes, in order; where the outputs cannot be compared (``compare`` False),
+    the archive's graph must still feed each one from the one before (:mod:`.torchscript_links`)."""
 
     def check(ours: OursRunner) -> dict:
         import torch
 
         module = torch.jit.load(str(path), map_location="cpu").eval()
+        if not compare and (problem := stack_problem(module, stack or [])):
+            raise VerificationError(
+                f"the TorchScript archive '{path.name}' does not run its recurrent modules as the stack rnnserve "
+                f"would serve: {problem}. Serve the modules one by one (--select one of them), or convert with "
+                f"--no-verify to serve them stacked anyway")
         dtype = next((p.dtype for p in module.parameters()), torch.float32)
         x, _ = probe_input(input_size)
         y, h, c = (None if a is None else np.asarray(a, np.float64) for a in ours(x.astype(np.float64)))

@@ -535,6 +535,63 @@ def test_an_archive_with_more_modules_runs_but_is_not_compared(tmp_path):
     assert any("'head'" in note for note in model.provenance["notes"])
 
 
+class _Stack(nn.Module):
+    """r1 -> (between) -> r2 -> head: the head keeps the archive's outputs from being compared whole."""
+
+    def __init__(self, between: str):
+        super().__init__()
+        self.between = between
+        self.r1 = nn.LSTM(3, 8, batch_first=True)
+        self.mid = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.3)
+        self.r2 = nn.GRU(8, 5, batch_first=True)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x):
+        y = self.r1(x)[0]
+        if self.between == "scaled":
+            y = 3.0 * y
+        elif self.between == "linear":
+            y = self.mid(y)
+        elif self.between == "flipped":
+            y = torch.flip(y, [1])
+        elif self.between == "dropout":
+            y = self.drop(y)
+        elif self.between == "parallel":
+            y = self.r1(x)[0] + 0.0 * y
+        return self.head(self.r2(y)[0])
+
+
+def _stack_archive(tmp_path, between, how):
+    torch.manual_seed(0)
+    module = _Stack(between).eval()
+    path = tmp_path / f"stack_{between}_{how}.pt"
+    torch.jit.save(torch.jit.script(module) if how == "script" else torch.jit.trace(module, torch.randn(1, 3, 3)),
+                   str(path))
+    return path
+
+
+@pytest.mark.parametrize("how", ["script", "trace"])
+@pytest.mark.parametrize("between, named", [("scaled", "aten::mul"), ("linear", "aten::linear"),
+                                            ("flipped", "aten::flip"), ("parallel", "'r1' 2 times")])
+def test_a_stack_with_code_between_its_modules_is_refused_though_a_head_hides_it(tmp_path, between, named, how):
+    """A head kept the whole archive from being compared, and --select r1,r2 served r1 -> r2 with the code between
+    them left out: "verified", 0.05-0.2 away from the archive (found by a probe)."""
+    path = _stack_archive(tmp_path, between, how)
+    with pytest.raises(VerificationError, match=f"does not run its recurrent modules as the stack.*{named}"):
+        service.convert(path, select="r1,r2")
+    assert len(service.convert(path, select="r1,r2", verify=False).spec.blocks) == 2  # on purpose
+    service.convert(path, select="r1")  # one module: nothing between to check
+
+
+@pytest.mark.parametrize("how", ["script", "trace"])
+@pytest.mark.parametrize("between", ["none", "dropout"])
+def test_a_stack_fed_straight_through_is_accepted_beside_a_head(tmp_path, between, how):
+    model = service.convert(_stack_archive(tmp_path, between, how), select="r1,r2")
+    assert model.provenance["verification"]["whole_file"]["compared"] == []
+    assert any("'head'" in note for note in model.provenance["notes"])
+
+
 def test_a_traced_relu_rnn_is_read_as_relu_from_its_graph(tmp_path):
     """A traced archive keeps no nonlinearity attribute; its graph's aten::rnn_relu says it (was served as tanh)."""
     torch.manual_seed(0)
