@@ -2,6 +2,7 @@
 as a user runs it (every test on the shared server runs against both layouts)."""
 from __future__ import annotations
 
+import gc as gc_module
 import os
 import re
 import signal
@@ -183,6 +184,7 @@ def test_requests_waiting_in_the_front_ends_are_counted_and_go_back_to_zero(fron
     """rnnserve_queue_depth is the engine process's queue; what the front-ends hold back while their messages are
     out was counted nowhere (an autoscaler on the queue saw 0 with requests waiting)."""
     _, _, http, grpc = frontends_server
+    gc_module.collect()  # earlier tests' HTTP clients: collected on a gRPC callback thread, gevent refuses to close them
     x = np.random.default_rng(8).standard_normal((1, 20_000, 4)).astype(np.float32)
     stop, lock, state = threading.Event(), threading.Lock(), {"out": 0, "errors": []}
     seen = []
