@@ -31,6 +31,7 @@ from .engines.factory import cuda_problem
 from .errors import RNNServeError
 from .heap import freeze_heap
 from .metrics import ServerMetrics
+from .metrics.processes import PREFIX as PROCESS_NAME, name_this_process
 from .ports import bind_listener
 from .registry import DEFAULTED_FIELDS, ModelRegistry
 from .registry.builds import exit_if_building
@@ -296,6 +297,7 @@ def serve_main(argv: list[str]) -> int:
               f"works, else NumPy) or --device cpu", file=sys.stderr)
         return 2
     logging.getLogger().setLevel(settings.log_level.upper())
+    name_this_process(PROCESS_NAME)
     try:
         code = eventloop.run(serve(settings), settings.event_loop)
     except RNNServeError as exc:

@@ -12,6 +12,7 @@ from typing import Any, Awaitable, Callable
 from . import eventloop
 from .errors import RNNServeError
 from .heartbeats import WATCH_S, Heartbeats, beat
+from .metrics.processes import name_this_process
 from .registry.builds import exit_if_building
 from .settings import ServeSettings
 
@@ -24,6 +25,9 @@ def run_child(role: str, settings: dict[str, Any], main: Callable[..., Awaitable
     """Body of a spawned child: logging tagged with ``role``, settings rebuilt, ``main(settings, *args)`` on the
     configured event loop, exit with its code. ``args[-1]`` is the ``started`` queue, which gets the error when
     the child cannot start."""
+    # "frontend-3" -> rnnserve-fe-3 (15 bytes at most): the rnnserve_process_* metrics name processes so
+    name_this_process("rnnserve-" + multiprocessing.current_process().name.replace("frontend", "fe").replace(
+        "engine", "eng"))
     logging.basicConfig(level=settings.get("log_level", "info").upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[{role} %(process)d]: %(message)s")
     try:

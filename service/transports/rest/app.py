@@ -6,6 +6,8 @@ from :data:`service.errors.STATUS_TABLE`, through :func:`error_response`.
 """
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -18,6 +20,7 @@ from ...dataplane.unsupported import REST_PREFIXES, unsupported
 from ...dataplane.validation import bool_parameter
 from ...errors import InvalidInput, RNNServeError, bounded
 from ...metrics import CONTENT_TYPE_LATEST
+from ...metrics.processes import process_exposition
 from .codec import HEADER, parameters_of, parse_json
 from .infer import InferFastPath, infer_response
 from .body_watch import BodyWatch
@@ -179,7 +182,8 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
 
     @app.get("/metrics", tags=["metrics"], summary="Prometheus metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
-        return Response(await dataplane.render_metrics(), media_type=CONTENT_TYPE_LATEST)
+        processes = await asyncio.to_thread(process_exposition)  # ~20 /proc reads: off the event loop
+        return Response(await dataplane.render_metrics() + processes, media_type=CONTENT_TYPE_LATEST)
 
     # ---- Triton extensions rnnserve does not serve: 501 with what to use instead ------------------------------
 

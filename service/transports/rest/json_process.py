@@ -22,11 +22,18 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, TypeVar
 
 from ...errors import Unavailable
+from ...metrics.processes import helper_name, name_this_process
 from ...parent_death import die_with_parent
 
 T = TypeVar("T")
 log = logging.getLogger("rnnserve.transports.rest")
 
+
+
+def _helper_start() -> None:
+    """The helper process's first act: end with its parent, and take its name (``rnnserve_process_*`` metrics)."""
+    die_with_parent()
+    name_this_process(helper_name())
 
 class JsonProcess:
     """Runs picklable functions of picklable arguments in one helper process, started on first use."""
@@ -44,7 +51,7 @@ class JsonProcess:
         """
         if self._pool is None and not self._on_thread:
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=die_with_parent)
+                                             initializer=_helper_start)
             self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
             try:
                 await asyncio.wrap_future(self._pool.submit(int))  # started and answering
