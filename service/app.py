@@ -115,11 +115,10 @@ def _create_grpc(dataplane: DataPlane, settings: ServeSettings, reuse_port: bool
         log.warning("gRPC transport is not available (%s); serving REST only", exc)
         return None, f"gRPC off (transport not available: {exc})"
     from .transports.grpc.limits import GrpcLimits
-    limits = GrpcLimits.of(settings.max_grpc_calls, settings.max_grpc_connections, settings.body_timeout_s,
-                           settings.max_request_bytes, settings.frontends)
+    limits = GrpcLimits.of(settings.max_grpc_calls, settings.max_grpc_connections, settings.body_timeout_s)
     server = create_grpc_server(dataplane, settings.host, settings.grpc_port,
                                 max_message_bytes=settings.max_request_bytes, reuse_port=reuse_port, limits=limits)
-    log.info("%s", limits.describe())
+    log.info("%s", limits.describe(settings.max_request_bytes))
     return server, f"gRPC on {settings.host}:{server.bound_port}"
 
 

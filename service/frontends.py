@@ -106,12 +106,8 @@ async def serve_with_frontends(settings: ServeSettings, stop_event: asyncio.Even
                 http_listener.close()
             raise
         grpc_port = claims[1].port
-    from .transports.grpc.limits import auto_call_cap
-
-    # each front-end runs as one process would; its automatic gRPC call limit is its share of the memory
-    grpc_calls = settings.max_grpc_calls or auto_call_cap(settings.max_request_bytes, settings.frontends)
     child_settings = settings.model_dump(mode="json") | {"http_port": http_port, "grpc_port": grpc_port,
-                                                         "frontends": 1, "engines": 1, "max_grpc_calls": grpc_calls}
+                                                         "frontends": 1, "engines": 1}
     folder = tempfile.mkdtemp(prefix="rnnserve-")
     sockets = [engine_socket(folder, k) for k in range(settings.engines)]
     host = EngineHost(settings, sockets[0])

@@ -89,19 +89,18 @@ class ServeSettings(BaseSettings):
                     "closes, instead of holding it and its buffered bytes for good. 0: no limit.",
     )
     max_grpc_calls: int = Field(
-        0, ge=0, le=10_000_000,
+        4096, ge=0, le=10_000_000,
         description="Most gRPC calls in progress at once in each server process (streams and health watches "
                     "count); one more is refused with RESOURCE_EXHAUSTED at once. grpc buffers each call's message "
-                    "(up to --max-request-bytes) before it is handled, so this bounds that memory. Each connection "
-                    "also holds at most 1,024 calls open. 0: as many as half this host's memory (or container "
-                    "limit) holds at --max-request-bytes each, split between the front-end processes, from 64 to "
-                    "4,096 (logged at start).",
+                    "(up to --max-request-bytes) before it is handled, so this times that is what partial messages "
+                    "can hold (logged at start): behind untrusted clients lower one or the other. Each connection "
+                    "also holds at most 1,024 calls open. 0: no limit.",
     )
     max_grpc_connections: int = Field(
         0, ge=0, le=10_000_000,
         description="Most gRPC connections open at once in each server process; one more is closed before its "
-                    "handshake. A connection must send HTTP/2's preface within --body-timeout-s. 0: an eighth of "
-                    "the process's open-file limit (ulimit -n).",
+                    "handshake. A connection must send HTTP/2's preface within --body-timeout-s, and one with no "
+                    "call for 300 s is closed. 0: an eighth of the process's open-file limit (ulimit -n).",
     )
     max_http_connections: int = Field(
         0, ge=0, le=10_000_000,
