@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -297,6 +298,10 @@ def serve_main(argv: list[str]) -> int:
         return 2
     logging.getLogger().setLevel(settings.log_level.upper())
     name_this_process(PROCESS_NAME)
+    # grpc-core writes its own error lines, one for every connection a client sends a malformed header on (a
+    # probe: 530 kB of log a second); they are off unless asked for (--log-level debug, or GRPC_VERBOSITY set).
+    # Set before grpc is first imported (here or in a child, which inherits it).
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR" if settings.log_level == "debug" else "NONE")
     try:
         code = eventloop.run(serve(settings), settings.event_loop)
     except RNNServeError as exc:

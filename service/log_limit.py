@@ -45,15 +45,16 @@ class ThrottledLog:
 
 
 class ThrottleFilter(logging.Filter):
-    """A filter letting each of ``messages`` (another library's lines, by their text) through at most once every
-    ``period_s`` seconds, the one let through counting those held back."""
+    """A filter letting the lines that start with each of ``prefixes`` (another library's lines, by their text)
+    through at most once every ``period_s`` seconds, the one let through counting those held back."""
 
-    def __init__(self, messages: tuple[str, ...], period_s: float = 10.0) -> None:
+    def __init__(self, prefixes: tuple[str, ...], period_s: float = 10.0) -> None:
         super().__init__()
-        self._throttles = {message: _Throttle(period_s) for message in messages}
+        self._throttles = {prefix: _Throttle(period_s) for prefix in prefixes}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        throttle = self._throttles.get(record.msg) if isinstance(record.msg, str) else None
+        text = record.msg if isinstance(record.msg, str) else ""
+        throttle = next((t for prefix, t in self._throttles.items() if text.startswith(prefix)), None)
         if throttle is None:
             return True
         suffix = throttle.suffix()

@@ -136,3 +136,40 @@ def test_connections_past_the_limit_and_silent_ones_are_closed_and_clients_then_
     finally:
         assert stop_server(proc) == 0
     assert any("gRPC limits: 4,096 calls in progress, 3 connections" in line for line in lines), lines
+
+
+def _hpack_literal(name: bytes, value: bytes) -> bytes:
+    return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value  # literal, not indexed, no Huffman
+
+
+def test_malformed_grpc_headers_on_end_do_not_flood_the_log(tmp_path):
+    """grpc-core logged an error line for each connection whose call carried an unparsable grpc-timeout (a probe:
+    530 kB of log a second); its own log is off unless asked for (GRPC_VERBOSITY, or --log-level debug)."""
+    import struct
+
+    repo = tmp_path / "models"
+    make_model(BlockSpec("lstm", 4, 8), seed=1).save(repo, "m", 1)
+    lines: list[str] = []
+    proc, _, grpc_url = start_server(repo, output=lines)
+    try:
+        host, port = grpc_url.removeprefix("grpc://").rsplit(":", 1)
+        block = b"".join(_hpack_literal(n, v) for n, v in (
+            (b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/inference.GRPCInferenceService/ServerLive"),
+            (b":authority", b"x"), (b"content-type", b"application/grpc"), (b"te", b"trailers"),
+            (b"grpc-timeout", b"abc")))
+        frames = (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + struct.pack(">I", 0)[1:] + b"\x04\x00" + struct.pack(">I", 0)
+                  + struct.pack(">I", len(block))[1:] + b"\x01\x05" + struct.pack(">I", 1) + block)
+        for _ in range(50):
+            with socket.create_connection((host, int(port))) as sock:
+                sock.sendall(frames)
+                sock.settimeout(2)
+                try:
+                    sock.recv(4096)
+                except OSError:
+                    pass
+        with grpc.insecure_channel(f"{host}:{port}") as channel:
+            assert pb_grpc.GRPCInferenceServiceStub(channel).ServerLive(pb.ServerLiveRequest(), timeout=10).live
+        time.sleep(0.5)
+    finally:
+        assert stop_server(proc) == 0
+    assert not [line for line in lines if "grpc-timeout" in line or "hpack" in line], lines[-5:]

@@ -111,3 +111,19 @@ def test_a_content_length_shorter_than_the_body_gets_a_json_error_for_the_rest(s
     assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json"), answer[:300]
     assert b'{"error": "the request is not valid HTTP/1.1' in answer and b"Content-Length" in answer
     assert b"text/plain" not in answer and b"Invalid HTTP request received" not in answer
+
+
+def test_upgrade_requests_on_end_log_once(server):
+    """Each websocket upgrade request logged two uvicorn warnings (a probe: 1.4 MB of log a second on one
+    connection); both are throttled."""
+    _, addr, lines = server
+    with socket.create_connection(addr) as sock:
+        for _ in range(200):
+            sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+            answer = sock.recv(65536)
+            while not answer.endswith(b"}"):  # head and body may come in two reads
+                answer += sock.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200")
+    time.sleep(0.5)  # the lines are read from the server's output on a thread
+    assert sum("WebSocket library" in line for line in lines) <= 1, [l for l in lines if "WebSocket" in l][:5]
+    assert sum("Unsupported upgrade request" in line for line in lines) <= 1

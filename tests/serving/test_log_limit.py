@@ -39,3 +39,19 @@ def test_a_library_line_is_throttled_by_its_text_and_others_pass(caplog, monkeyp
     assert [r.getMessage() for r in caplog.records] == (
         ["Invalid HTTP request received."] + ["something else"] * 5
         + ["Invalid HTTP request received. (4 more like it in the last 11 s were not logged)"])
+
+
+def test_a_prefix_throttles_every_line_that_starts_with_it(caplog, monkeypatch):
+    from service.log_limit import ThrottleFilter
+
+    monkeypatch.setattr("service.log_limit.time.monotonic", lambda: 0.0)
+    logger = logging.getLogger("rnnserve.test.prefix")
+    throttle = ThrottleFilter(("No supported WebSocket library detected",), period_s=10)
+    logger.addFilter(throttle)
+    try:
+        with caplog.at_level(logging.WARNING, logger="rnnserve.test.prefix"):
+            for _ in range(3):
+                logger.warning("No supported WebSocket library detected. Please use ...")
+    finally:
+        logger.removeFilter(throttle)
+    assert len(caplog.records) == 1

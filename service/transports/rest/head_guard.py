@@ -42,9 +42,9 @@ def _answer(status: int, reason: str, message: str) -> bytes:
 
 
 _MALFORMED = _answer(400, "Bad Request",
-                    "the request is not valid HTTP/1.1: its request line, its headers or its body's framing could not "
-                    "be parsed (a Content-Length other than the body's size runs the body into the next request); "
-                    "send a well-formed request")
+                    "the request is not valid HTTP/1.1: its request line (too long a URL, past 64 KiB), its headers "
+                    "or its body's framing could not be parsed (a Content-Length other than the body's size runs the "
+                    "body into the next request); send a well-formed request")
 
 _TOO_LARGE = _answer(431, "Request Header Fields Too Large",
                      f"the request line and headers take more than {MAX_HEAD_BYTES} bytes; send fewer or shorter "
@@ -61,7 +61,8 @@ def http_connection_cap(setting: int) -> int:
 
 
 # uvicorn's warnings that any client can cause with every request it sends
-_CLIENT_CAUSED = ThrottleFilter(("Invalid HTTP request received.", "Unsupported upgrade request."))
+_CLIENT_CAUSED = ThrottleFilter(("Invalid HTTP request received.", "Unsupported upgrade request.",
+                                 "No supported WebSocket library detected"))
 
 
 def head_guard(head_timeout_s: float, max_connections: int) -> type[HttpToolsProtocol]:
