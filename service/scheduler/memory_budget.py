@@ -16,14 +16,17 @@ front-ends' coalescing never grow a batch past it.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..errors import TooLarge
-from ..host_memory import host_memory_bytes
 from ..spec import RNNSpec
 
 _MIB = 1024 * 1024
+# cgroup v2, then v1: a container's limit is what the OS kills at, not the machine's RAM
+_CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
 
 
 def step_bytes(spec: RNNSpec) -> int:
@@ -45,6 +48,19 @@ def step_bytes(spec: RNNSpec) -> int:
         for layer in range(blk.num_layers):
             widest = max(widest, 2 * blk.layer_input_size(layer) + 2 * d * blk.output_size)
     return 4 * (2 * spec.input_size + gates + widest + 3 * spec.output_size)
+
+
+def host_memory_bytes() -> int:
+    """This machine's memory, or the container's limit when that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in _CGROUP_LIMITS:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,7 @@ from tritonclient.utils import InferenceServerException
 from service import create_engine
 from service.errors import TooLarge
 from service.scheduler import MemoryBudget, Scheduler, SequenceWork, output_last
-from service.host_memory import host_memory_bytes
-from service.scheduler.memory_budget import step_bytes
+from service.scheduler.memory_budget import host_memory_bytes, step_bytes
 from service.spec import BlockSpec
 from serving_support import LSTM, build_repository, make_model, rest_client, start_server, stop_server, \
     triton_inputs, write_config
