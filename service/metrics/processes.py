@@ -33,11 +33,12 @@ _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 def name_this_process(name: str) -> None:
     """Set this process's name (``/proc/self/comm``, at most 15 bytes) where the OS allows it; else nothing."""
+    library = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+        prctl = ctypes.CDLL(library, use_errno=True).prctl
     except (OSError, AttributeError, TypeError):
-        pass
+        return  # no libc with prctl (not Linux): the process keeps its name, and its series say "python"
+    prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
 
 
 def helper_name() -> str:
