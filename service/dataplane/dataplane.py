@@ -206,7 +206,17 @@ class DataPlane:
 
     def set_frontend_waiting(self, model: str, version: str, requests: int) -> None:
         """``requests`` of ``model``/``version`` wait in the front-end processes, as they last reported."""
+        if not self._serves(model, version):
+            return  # a report (or a lost front-end's reset) after the version stopped: don't bring its series back
         self.metrics.frontend_queue_depth.labels(model=model, version=version).set(requests)
+
+    def _serves(self, model: str, version: str) -> bool:
+        """Whether ``model``/``version`` is loaded (has a scheduler), as its per-version gauges are."""
+        try:
+            served = self.registry.version(model, version)
+        except RNNServeError:
+            return False
+        return served.label == version and served.scheduler is not None
 
     def _count_refused(self, name: str, served: ServedVersion | None, exc: RNNServeError, requests: int = 1) -> None:
         """Count ``requests`` refused before they were queued (unknown names under model "")."""

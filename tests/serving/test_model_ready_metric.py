@@ -141,3 +141,23 @@ async def test_a_model_that_fails_before_any_version_reads_0_until_a_version_is_
         assert (await client.post("/v2/repository/models/lstm/load")).status_code == 200
         gauges = await _gauges(client, "lstm")
         assert gauges[("rnnserve_model_ready", "1")] == 1.0 and ("rnnserve_model_ready", "") not in gauges
+
+
+async def test_front_end_reports_after_an_unload_do_not_bring_the_queue_gauge_back(repo):
+    """A front-end whose connection drops resets its waiting counts to 0 for every version it reported; for a
+    version unloaded meanwhile that re-created ``rnnserve_frontend_queue_depth`` at 0 beside ready 0."""
+    async with rest_client(repo) as (client, dataplane):
+        dataplane.set_frontend_waiting("lstm", "1", 3)
+        assert (await client.post("/v2/repository/models/lstm/unload")).status_code == 200
+        for requests in (0, 2):
+            dataplane.set_frontend_waiting("lstm", "1", requests)
+            dataplane.set_frontend_waiting("lstm", "9", requests)  # never a version
+            dataplane.set_frontend_waiting("nope", "1", requests)
+        text = (await client.get("/metrics")).text
+        assert [s for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "rnnserve_frontend_queue_depth" and s.labels["model"] in ("lstm", "nope")] == []
+        assert (await client.post("/v2/repository/models/lstm/load")).status_code == 200
+        dataplane.set_frontend_waiting("lstm", "1", 2)
+        text = (await client.get("/metrics")).text
+        assert [(s.labels["version"], s.value) for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "rnnserve_frontend_queue_depth" and s.labels["model"] == "lstm"] == [("1", 2)]
