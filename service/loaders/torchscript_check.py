@@ -57,7 +57,7 @@ def archive_check(path: Path, input_size: int, compare: bool, rtol: float, atol:
         for layout, feed, sequence in (("batch-first", x, y), ("time-first", x.transpose(1, 0, 2), y.transpose(1, 0, 2))):
             try:
                 with torch.no_grad():
-                    result = module(torch.from_numpy(np.ascontiguousarray(feed)).to(dtype))
+                    result = _entry(module)(torch.from_numpy(np.ascontiguousarray(feed)).to(dtype))
             except Exception as exc:  # noqa: BLE001 - an input the archive does not take: the other layout may fit
                 failures.append(f"{layout}: {type(exc).__name__}: {last_line(exc)}")
                 continue
@@ -88,6 +88,19 @@ def archive_check(path: Path, input_size: int, compare: bool, rtol: float, atol:
                 "not_compared": "none of the tensors it returns has the shape of an output or state rnnserve serves"}
 
     return check
+
+
+def _entry(module: Any) -> Callable:
+    """The archive's forward. A scripted bare ``nn.LSTM``/``nn.GRU``/``nn.RNN`` has none: its overloads are
+    saved as ``forward__0``, ``forward__1``; the one taking a Tensor is what calling the module did in Python."""
+    if hasattr(module, "forward"):
+        return module
+    for name in module._c._method_names():  # noqa: SLF001 - TorchScript lists overloads only here
+        if name.startswith("forward__"):
+            arguments = module._c._get_method(name).schema.arguments  # noqa: SLF001
+            if len(arguments) > 1 and str(arguments[1].type) == "Tensor":
+                return getattr(module, name)
+    return module
 
 
 def _state_forms(y: np.ndarray, h: np.ndarray, c: np.ndarray | None) -> list[tuple[str, np.ndarray]]:

@@ -672,3 +672,14 @@ def test_a_traced_stack_of_relu_and_tanh_rnns_gets_each_its_own(tmp_path):
     model = service.convert(_archive(tmp_path, Two().eval(), "trace"), select="a,b")
     assert [b.cell for b in model.spec.blocks] == ["rnn_relu", "rnn_tanh"]
     assert model.provenance["verification"]["whole_file"]["compared"]
+
+
+@pytest.mark.parametrize("module, compared", [
+    (nn.LSTM(5, 4, num_layers=2, batch_first=True), ["forward()[0] (output, batch-first)"]),
+    (nn.GRU(5, 4, bidirectional=True), ["forward()[0] (output, time-first)", "forward()[1] (h_n, time-first)"])])
+def test_a_scripted_bare_recurrent_module_is_run_whole_through_its_tensor_overload(tmp_path, module, compared):
+    """TorchScript saves a scripted nn.LSTM's forward as overloads (forward__0 on tensors, forward__1 on packed
+    sequences) and no ``forward``: the check said the archive had no forward and compared nothing whole."""
+    model = service.convert(_archive(tmp_path, module.eval(), "script"))
+    assert model.provenance["verification"]["whole_file"] == {
+        "ran": True, "runtime": "torch (the archive's own forward)", "compared": compared}
