@@ -16,7 +16,7 @@ from onnx import NodeProto
 from ..errors import ConversionError
 from ..packing import LayerWeights
 from .layers import RecurrentLayer
-from .onnx_graph import GraphIndex
+from .onnx_graph import SHAPE_OPS, GraphIndex
 
 # ONNX gate block order -> canonical order (index into the ONNX blocks, per canonical gate)
 _ORDER = {"LSTM": (0, 2, 3, 1), "GRU": (1, 0, 2), "RNN": (0,)}   # iofc -> ifgo; zrh -> rzn
@@ -96,8 +96,9 @@ def _weight(index: GraphIndex, node: NodeProto, slot: int, label: str, name: str
     return np.asarray(value, dtype=np.float64)
 
 
-def _check_lengths(index: GraphIndex, node: NodeProto, name: str) -> None:
-    """Refuse a constant ``sequence_lens``: the served model takes lengths per request, so the file's would be lost."""
+def _check_lengths(index: GraphIndex, node: NodeProto, name: str, notes: list[str]) -> None:
+    """Refuse a constant ``sequence_lens``: the served model takes lengths per request, so the file's would be lost.
+    Lengths the graph computes from an input are noted: the client must send the computed ones."""
     if len(node.input) <= 4 or not node.input[4]:
         return
     value = index.constant(node.input[4])
@@ -105,8 +106,46 @@ def _check_lengths(index: GraphIndex, node: NodeProto, name: str) -> None:
         shown = np.asarray(value).ravel()[:8].tolist()
         raise ConversionError(
             f"node '{name}' has a constant sequence_lens ('{node.input[4]}' = {shown}); rnnserve takes the lengths "
-            f"per request (the 'lengths' input), not from the file. Remove it from the graph, or make it a graph input"
+            f"per request (the 'lengths' input), not from the file. Make it a graph input and send those lengths "
+            f"per request (removing it would run every sequence at full length)"
         )
+    _note_computed(index, node.input[4], f"node '{name}': sequence_lens", "lengths", notes)
+
+
+# Ops that move, pick or join values without changing them: a state or lengths input reaching a node through
+# only these is the input itself, as served (a layer's slice of a stacked h0 [L*D, B, H] input).
+_SELECTING = SHAPE_OPS + ("Slice", "Gather", "Split", "Concat", "Expand", "Tile")
+
+
+def _note_computed(index: GraphIndex, src: str, what: str, served: str, notes: list[str]) -> bool:
+    """Note (and say True) when ``src`` is computed from a graph input by ops that change values (not only pick,
+    reshape or join them): the served model takes the computed value as ``served``, so the client must compute
+    it. Sending the graph input itself, as for a plain input, gave answers off by up to 3 (a probe's Neg before
+    initial_h)."""
+    changer = _value_op(index, src, set())
+    if changer is None:
+        return False
+    feed = index.depends_on_input(src)
+    notes.append(f"{what} is computed from graph input '{feed}' by {changer.op_type} (node "
+                 f"'{index.name(changer)}'), which rnnserve does not serve: send the computed value per request as "
+                 f"{served}, not '{feed}' itself")
+    return True
+
+
+def _value_op(index: GraphIndex, name: str, seen: set[str]) -> NodeProto | None:
+    """The first node on a path from a graph input to ``name`` that changes values, or None."""
+    if name in seen or name not in index.producer:
+        return None
+    seen.add(name)
+    node, _ = index.producer[name]
+    if node.op_type == "Shape":
+        return None
+    fed = [i for i in node.input if i and index.depends_on_input(i)]
+    if not fed:
+        return None
+    if node.op_type not in _SELECTING:
+        return node
+    return next((found for i in fed if (found := _value_op(index, i, seen)) is not None), None)
 
 
 def _check_state(index: GraphIndex, node: NodeProto, slot: int, label: str, name: str, notes: list[str]) -> None:
@@ -118,8 +157,11 @@ def _check_state(index: GraphIndex, node: NodeProto, slot: int, label: str, name
         if np.any(value != 0):
             raise ConversionError(
                 f"node '{name}' has a constant nonzero {label} ('{src}'); rnnserve takes the initial state per "
-                f"request (h_0/c_0), not from the file. Remove it from the graph, or make it a graph input"
+                f"request (h_0/c_0), not from the file. Make it a graph input and send its value per request as "
+                f"{'c_0' if label == 'initial_c' else 'h_0'} (removing it would start from zeros)"
             )
+        return
+    if _note_computed(index, src, f"node '{name}': {label}", 'c_0' if label == 'initial_c' else 'h_0', notes):
         return
     feed = index.depends_on_input(src)
     if feed:
@@ -131,7 +173,8 @@ def _check_state(index: GraphIndex, node: NodeProto, slot: int, label: str, name
         what = "nonzero" if zero is False else "computed (rnnserve cannot tell whether it is zero)"
         raise ConversionError(
             f"node '{name}' has a {what} {label} ('{src}') built inside the graph; rnnserve takes the initial "
-            f"state per request (h_0/c_0), not from the file. Remove it from the graph, or make it a graph input"
+            f"state per request (h_0/c_0), not from the file. Make it a graph input and send its value per request "
+            f"as {'c_0' if label == 'initial_c' else 'h_0'}"
         )
 
 
@@ -187,7 +230,7 @@ def node_to_layer(index: GraphIndex, node: NodeProto, notes: list[str]) -> Recur
         b = np.zeros((d_count, 2 * g * h))
     elif b.shape != (d_count, 2 * g * h):
         raise ConversionError(f"node '{name}': B has shape {list(b.shape)}, expected {[d_count, 2 * g * h]}")
-    _check_lengths(index, node, name)
+    _check_lengths(index, node, name, notes)
     _check_state(index, node, 5, "initial_h", name, notes)
     if op == "LSTM":
         _check_state(index, node, 6, "initial_c", name, notes)

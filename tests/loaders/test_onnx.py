@@ -771,3 +771,25 @@ def test_a_float64_gru_export_onnxruntime_has_no_kernel_for_converts_checked_on_
     whole = model.provenance["verification"]["whole_file"]
     assert whole["ran"] is False and "does not support double" in whole["reason"]
     assert model.provenance["verification"]["checked"] is True
+
+
+@pytest.mark.parametrize("op", ["Tanh", "Neg"])
+def test_a_state_or_lengths_computed_from_an_input_is_noted_as_computed_not_as_the_input(tmp_path, op):
+    """initial_h = Unsqueeze(op(cond)), sequence_lens = Sub(n, 1): the notes said to send 'cond' as h_0 (answers
+    then off by up to 3 against onnxruntime) and said nothing of the lengths. The client must send the values the
+    graph computes; the note names the op."""
+    w, r, b = _weights("", "GRU", 4, 3)
+    nodes = [helper.make_node(op, ["cond"], ["t"]), helper.make_node("Unsqueeze", ["t", "ax0"], ["h0"]),
+             helper.make_node("Sub", ["n", "one"], ["lens"]),
+             helper.make_node("GRU", ["X", "W", "R", "B", "lens", "h0"], ["y"], hidden_size=3, name="g")]
+    consts = [numpy_helper.from_array(np.array([0], np.int64), "ax0"), numpy_helper.from_array(np.array(1, np.int32),
+                                                                                               "one")]
+    path = _save(tmp_path, nodes, [w, r, b] + consts,
+                 [_f("X", ["T", "N", 4]), _f("cond", ["N", 3]), helper.make_tensor_value_info("n", TensorProto.INT32,
+                                                                                              ["N"])], [_f("y")])
+    notes = load_onnx(path).notes
+    assert f"node 'g': initial_h is computed from graph input 'cond' by {op} (node '{op}_0'), which rnnserve does " \
+           f"not serve: send the computed value per request as h_0, not 'cond' itself" in notes, notes
+    assert "node 'g': sequence_lens is computed from graph input 'n' by Sub (node 'Sub_0'), which rnnserve does not " \
+           "serve: send the computed value per request as lengths, not 'n' itself" in notes, notes
+    assert not any("comes from graph input" in n for n in notes), notes
