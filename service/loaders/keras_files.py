@@ -62,6 +62,7 @@ class KerasLayer:
     holds_weights: bool = False  # weights-only files: the layer stores weights (read only for recurrent layers)
     calls: int = 1  # times the model calls the layer (its inbound nodes): shared weights when more than one
     state_from: list[str] = field(default_factory=list)  # layers feeding its call beyond its input: initial_state
+    container: str = ""  # the class the file names (RNN for keras.layers.RNN(LSTMCell(n)), read as an LSTM)
 
     @property
     def is_recurrent(self) -> bool:
@@ -189,7 +190,7 @@ def _snake_names(layers: list[KerasLayer]) -> dict[str, str]:
     used: dict[str, int] = {}
     out = {}
     for layer in layers:
-        cls = layer.wrapper["class_name"] if layer.wrapper else layer.class_name
+        cls = layer.wrapper["class_name"] if layer.wrapper else (layer.container or layer.class_name)
         base = re.sub(r"(?<!^)(?=[A-Z][a-z])", "_", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", cls)).lower()
         k = used.get(base, 0)
         used[base] = k + 1
@@ -352,9 +353,11 @@ def config_layers(config: dict[str, Any], fname: str) -> list[KerasLayer]:
                 f"convert that"
             )
         by_name[name] = e
+        if ecls == "RNN":
+            ecls, cfg = _cell_layer(cfg)
         if ecls == "Bidirectional":
-            inner = cfg.get("layer", {})
-            back = cfg.get("backward_layer") or None
+            inner = _cell_entry(cfg.get("layer", {}))
+            back = _cell_entry(cfg.get("backward_layer") or {}) or None
             configs = [dict(inner.get("config", {}))]
             if back:
                 inner_cls, back_cls = inner.get("class_name", "?"), back.get("class_name", inner.get("class_name"))
@@ -370,6 +373,7 @@ def config_layers(config: dict[str, Any], fname: str) -> list[KerasLayer]:
                                                                          if k not in ("layer", "backward_layer")}})
         else:
             layer = KerasLayer(name, ecls, False, [dict(cfg)])
+        layer.container = e.get("class_name", "")
         layer.calls = max(1, len(e.get("inbound_nodes") or []))
         layer.state_from = _inbound_names(e)[1:]
         if not functional:
@@ -381,6 +385,30 @@ def config_layers(config: dict[str, Any], fname: str) -> list[KerasLayer]:
         for layer in layers:
             layer.upstream = _trace_upstream(by_name, by_name[layer.name])
     return layers
+
+
+_CELLS = {"LSTMCell": "LSTM", "GRUCell": "GRU", "SimpleRNNCell": "SimpleRNN"}
+
+
+def _cell_layer(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A ``keras.layers.RNN`` of one LSTMCell, GRUCell or SimpleRNNCell as the layer it equals (``RNN(LSTMCell(n))``
+    computes what ``LSTM(n)`` does, and stores its weights where LSTM does): the layer class and a config holding
+    the cell's settings and the RNN's. Other cells (custom ones, StackedRNNCells) give ``RNN(<cell class>)``, which
+    is no recurrent class rnnserve converts, so only selecting it is refused."""
+    cell = cfg.get("cell") if isinstance(cfg.get("cell"), dict) else {}
+    cell_cls = str(cell.get("class_name", "?"))
+    if cell_cls not in _CELLS:
+        return f"RNN({cell_cls})", cfg
+    cell_cfg = cell.get("config") if isinstance(cell.get("config"), dict) else {}
+    return _CELLS[cell_cls], {**cell_cfg, **{k: v for k, v in cfg.items() if k != "cell"}}
+
+
+def _cell_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    """A Bidirectional's inner layer entry, an RNN of one cell read as the layer it equals."""
+    if entry.get("class_name") != "RNN":
+        return entry
+    cls, cfg = _cell_layer(entry.get("config") if isinstance(entry.get("config"), dict) else {})
+    return {**entry, "class_name": cls, "config": cfg}
 
 
 def _trace_upstream(by_name: dict[str, dict], entry: dict) -> str | None:

@@ -30,7 +30,9 @@ from .keras_runner import keras_missing, keras_runner
 from .source import LoadedSource, unserved_note
 
 OPTIONS = ("recurrent_activation",)
-_SUPPORTED = "LSTM, GRU, SimpleRNN, CuDNNLSTM, CuDNNGRU and Bidirectional wrappers of them"
+_SUPPORTED = ("LSTM, GRU, SimpleRNN, CuDNNLSTM, CuDNNGRU, keras.layers.RNN of one LSTMCell, GRUCell or SimpleRNNCell "
+              "(a StackedRNNCells: rebuild it as one RNN layer per cell, return_sequences=True but the last, and copy "
+              "the weights over), and Bidirectional wrappers of them")
 
 
 def load_keras(path: Path, select: str | None = None, cell: str | None = None, **options: Any) -> LoadedSource:

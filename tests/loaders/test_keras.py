@@ -64,6 +64,11 @@ MODELS = {
                              L.Bidirectional(L.GRU(4, return_sequences=True)), L.LSTM(13, return_sequences=True)],
     "hard_sigmoid_lstm": lambda: [L.LSTM(13, recurrent_activation="hard_sigmoid", return_sequences=True)],
     "hard_sigmoid_gru": lambda: [L.GRU(6, recurrent_activation="hard_sigmoid", return_sequences=True)],
+    # keras.layers.RNN of one cell computes what the matching layer does (refused before as no recurrent layer)
+    "rnn_of_cells": lambda: [L.RNN(L.SimpleRNNCell(5), return_sequences=True),
+                             L.RNN(L.LSTMCell(6), return_sequences=True)],
+    "bidirectional_rnn_of_a_gru_cell": lambda: [L.Bidirectional(L.RNN(L.GRUCell(5, reset_after=False),
+                                                                      return_sequences=True))],
 }
 
 
@@ -284,13 +289,15 @@ def test_refusals_from_model_config(tmp_path):
     m = keras.Sequential([keras.Input((None, I)), L.LSTM(3), L.RepeatVector(4), L.LSTM(3)])
     with pytest.raises(ConversionError, match="reads 'repeat_vector.*' \\(RepeatVector\\)"):
         convert(save(m, tmp_path, "keras", "rv"))
-    m = keras.Sequential([keras.Input((None, I)), L.RNN(L.LSTMCell(3), return_sequences=True, name="generic")])
-    with pytest.raises(ConversionError, match="has no recurrent layer rnnserve can convert.*RNN 'generic'"):
+    cells = [L.LSTMCell(3), L.LSTMCell(3)]
+    m = keras.Sequential([keras.Input((None, I)), L.RNN(cells, return_sequences=True, name="generic")])
+    with pytest.raises(ConversionError, match="has no recurrent layer rnnserve can convert.*RNN\\(StackedRNNCells\\) "
+                                              "'generic'"):
         convert(save(m, tmp_path, "keras", "generic"))
-    m = keras.Sequential([keras.Input((None, I)), L.RNN(L.LSTMCell(3), return_sequences=True, name="generic"),
-                          L.LSTM(3, name="plain")])
-    with pytest.raises(ConversionError, match="'generic', which is a RNN, a recurrent layer type rnnserve cannot "
-                                              "convert.*'plain' \\(LSTM\\)"):
+    m = keras.Sequential([keras.Input((None, I)), L.RNN([L.LSTMCell(3), L.LSTMCell(3)], return_sequences=True,
+                                                        name="generic"), L.LSTM(3, name="plain")])
+    with pytest.raises(ConversionError, match="'generic', which is a RNN\\(StackedRNNCells\\), a recurrent layer type "
+                                              "rnnserve cannot convert.*'plain' \\(LSTM\\)"):
         convert(save(m, tmp_path, "keras", "generic2"), select="generic")
     with pytest.raises(ConversionError, match=r"--cell gru does not match layer 'plain' \(LSTM\)"):
         convert(save(m, tmp_path, "keras", "generic2"), select="plain", cell="gru")
@@ -529,3 +536,9 @@ def test_a_weights_only_stack_beside_a_layer_without_weights_needs_select(tmp_pa
     randomize(model)
     with pytest.raises(ConversionError, match="does not record how its layers connect: 'add"):
         convert(save(model, tmp_path, "weights"))
+
+
+def test_an_rnn_of_stacked_cells_is_refused_saying_how_to_rebuild_it(tmp_path):
+    model = keras.Sequential([keras.Input((None, I)), L.RNN([L.GRUCell(4), L.GRUCell(6)], name="cells")])
+    with pytest.raises(ConversionError, match=r"RNN\(StackedRNNCells\) 'cells'.*one RNN layer per cell"):
+        convert(save(model, tmp_path, "keras"))
