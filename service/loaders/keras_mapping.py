@@ -118,8 +118,10 @@ def to_recurrent_layer(layer: KerasLayer, keras3: bool, recurrent_default: str, 
     if layer.wrapper and layer.wrapper.get("merge_mode", "concat") != "concat":
         raise ConversionError(
             f"{where} merges its directions with merge_mode={layer.wrapper.get('merge_mode')!r}; rnnserve serves "
-            f"concatenated directions only (merge_mode='concat'): rebuild the wrapper with merge_mode='concat', or "
-            f"--select only the layers before it"
+            f"concatenated directions only (merge_mode='concat'). If it is the last layer, rebuild the wrapper with "
+            f"merge_mode='concat' around the same weights (model.get_layer(...).set_weights) and merge the two halves "
+            f"of each answer on the client as {layer.wrapper.get('merge_mode')!r} does; else --select only the layers "
+            f"before it"
         )
     if layer.wrapper and len(layer.weights) != 2:
         raise ConversionError(f"{where}: expected forward and backward weights, found {len(layer.weights)} sets")
