@@ -61,8 +61,9 @@ def _whole_file_line(whole: dict) -> str:
         return f"the whole file was not run: {whole.get('reason', '')}; its recurrent layers were checked on their own"
     runtime = whole.get("runtime", "onnxruntime")
     if whole.get("compared"):
+        within = f" within {whole['within']}" if whole.get("within") else ""
         return (f"the whole file ran in {runtime} and its output(s) {', '.join(repr(n) for n in whole['compared'])} "
-                f"match the converted model")
+                f"match the converted model{within}")
     why = whole.get("not_compared", "its outputs come from more than the served stack")
     return f"the whole file ran in {runtime}; {why}, so they were not compared"
 

@@ -81,6 +81,8 @@ def whole_file_check(path: Path, index: GraphIndex, chain: list[NodeProto], stac
         forms = _forms(ours, x, directions)
         # a float16 file computes in float16
         tol = (max(rtol, 1e-2), max(atol, 1e-2)) if x.dtype == np.float16 else (rtol, atol)
+        if x.dtype == np.float16:
+            record["within"] = f"float16's rounding (rtol {tol[0]:g}, atol {tol[1]:g})"
         for name, k in sorted(direct.items()):
             got = np.asarray(outputs[name], np.float64)
             if not any(_close(got, want, *tol) for want in forms[k]):

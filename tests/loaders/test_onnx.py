@@ -793,3 +793,19 @@ def test_a_state_or_lengths_computed_from_an_input_is_noted_as_computed_not_as_t
     assert "node 'g': sequence_lens is computed from graph input 'n' by Sub (node 'Sub_0'), which rnnserve does not " \
            "serve: send the computed value per request as lengths, not 'n' itself" in notes, notes
     assert not any("comes from graph input" in n for n in notes), notes
+
+
+def test_a_float16_file_says_its_whole_file_check_was_within_float16_rounding(tmp_path):
+    """A float16 file computes in float16: its outputs are compared within 1e-2, and the record says so (it said
+    "match" beside the README's 1e-5)."""
+    model = _node_model("LSTM", i=3, h=5)
+    for init in model.graph.initializer:
+        if init.data_type == TensorProto.FLOAT:
+            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float16), init.name))
+    for value in [*model.graph.input, *model.graph.output]:
+        if value.type.tensor_type.elem_type == TensorProto.FLOAT:
+            value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    path = tmp_path / "half.onnx"
+    onnx.save(model, str(path))
+    whole = convert(path).provenance["verification"]["whole_file"]
+    assert whole["ran"] and whole["compared"] and whole["within"] == "float16's rounding (rtol 0.01, atol 0.01)", whole
