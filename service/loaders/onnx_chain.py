@@ -242,7 +242,9 @@ def order_chain(index: GraphIndex, nodes: list[NodeProto], edges: list[Edge]) ->
             raise ConversionError(
                 f"node '{index.name(e.dst)}' reads the output of '{index.name(e.src)}', "
                 f"but not as a plain layer stack: "
-                f"{e.problem}"
+                f"{e.problem}. rnnserve serves only a stack whose ops between nodes keep Y's values in place: "
+                f"convert one node (--select {index.name(e.src)}) and do the rest on the client, or export the "
+                f"model with the layers stacked as nn.LSTM/GRU/RNN's own num_layers"
             )
     nxt = {id(e.src): e.dst for e in inner}
     has_prev = {id(e.dst) for e in inner}
