@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import threading
 import time
 
@@ -13,8 +14,10 @@ import pytest
 
 from service.errors import InvalidInput, Unavailable
 from service.transports.rest.codec import decode_request
+from service.transports.rest import json_process
 from service.transports.rest.json_process import JsonProcess
 from serving_support import rest_client
+
 
 def _fail(message: str) -> None:
     raise InvalidInput(message)
@@ -47,6 +50,49 @@ async def test_a_helper_that_died_gives_unavailable_and_the_next_call_starts_ano
             await worker.run(os._exit, 1)
         second = await worker.run(os.getpid)
         assert second not in (first, os.getpid())
+    finally:
+        worker.close()
+
+
+@pytest.mark.asyncio
+async def test_a_helper_killed_while_idle_is_replaced_for_the_next_body_which_is_served():
+    """The first body after such a death got "stopped while it handled this body (out of memory?)"."""
+    worker = JsonProcess()
+    try:
+        first = await worker.run(os.getpid)
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while worker._pool is not None and not worker._pool._broken and time.monotonic() < deadline:  # noqa: SLF001
+            await asyncio.sleep(0.01)  # the pool's manager thread notices the death
+        second = await worker.run(os.getpid)
+        assert second not in (first, os.getpid())
+    finally:
+        worker.close()
+
+
+@pytest.mark.asyncio
+async def test_a_helper_that_does_not_answer_is_killed_and_replaced_and_its_calls_end(monkeypatch):
+    """A stopped (SIGSTOP) or wedged helper held every large JSON body for good, health checks green."""
+    monkeypatch.setattr(json_process, "HELPER_BASE_S", 1.0)
+    worker = JsonProcess()
+    try:
+        stuck = await worker.run(os.getpid)
+        os.kill(stuck, signal.SIGSTOP)
+        started = time.monotonic()
+        calls = await asyncio.gather(*(worker.run(os.getpid) for _ in range(3)), return_exceptions=True)
+        assert time.monotonic() - started < 8
+        assert all(isinstance(c, Unavailable) for c in calls), calls
+        assert any("did not answer within 1 s and was replaced" in str(c) for c in calls), calls
+        assert await worker.run(os.getpid) not in (stuck, os.getpid())
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the stopped one was killed, not left behind
+            try:
+                os.kill(stuck, 0)
+            except ProcessLookupError:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail(f"the unanswering helper {stuck} is still there")
     finally:
         worker.close()
 
