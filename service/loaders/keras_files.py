@@ -63,6 +63,8 @@ class KerasLayer:
     calls: int = 1  # times the model calls the layer (its inbound nodes): shared weights when more than one
     state_from: list[str] = field(default_factory=list)  # layers feeding its call beyond its input: initial_state
     container: str = ""  # the class the file names (RNN for keras.layers.RNN(LSTMCell(n)), read as an LSTM)
+    inner: list[KerasLayer] | None = None  # a nested model's layers (config_layers flattens them into the list)
+    output: str = ""  # a nested model's output layer
 
     @property
     def is_recurrent(self) -> bool:
@@ -150,7 +152,7 @@ def _read_archive(path: Path) -> KerasFile:
                               f"or corrupt: save it again with model.save('model.keras')") from exc
     except json.JSONDecodeError as exc:
         raise ConversionError(f"'{path.name}': config.json is not valid JSON ({exc}); save the model again") from exc
-    layers = config_layers(config, path.name)
+    layers = config_layers(config, path.name, nested=True)
     h5 = _open_h5(io.BytesIO(weights), f"model.weights.h5 inside '{path.name}'")
     try:
         groups = _keras3_groups(h5, path.name)
@@ -177,11 +179,19 @@ def _keras3_groups(h5, fname: str) -> list[tuple[str, Any]]:
     """(layer name, group) for every child of ``layers/``, named from its ``vars`` attribute."""
     if "layers" not in h5:
         raise ConversionError(f"'{fname}': the weights file has no 'layers' group; is this a Keras 3 model?")
+    return _named_groups(h5["layers"])
+
+
+def _named_groups(layers: Any) -> list[tuple[str, Any]]:
+    """(layer name, group) for every child of a ``layers`` group, and of a nested model's own ``layers`` below it."""
     out = []
-    for key in h5["layers"]:
-        group = h5["layers"][key]
+    for key in layers:
+        group = layers[key]
         name = _text(group["vars"].attrs["name"]) if "vars" in group and "name" in group["vars"].attrs else key
-        out.append((name, group))
+        if "layers" in group and "cell" not in group:  # a nested model: its layers, not itself
+            out += _named_groups(group["layers"])
+        else:
+            out.append((name, group))
     return out
 
 
@@ -331,8 +341,12 @@ def shape_class(w: dict[str, np.ndarray], name: str) -> str:
 
 # ---------------------------------------------------------------- model configs (Keras 2 and 3)
 
-def config_layers(config: dict[str, Any], fname: str) -> list[KerasLayer]:
-    """Layers of a Sequential/Functional config in order, with per-direction configs and upstream names."""
+def config_layers(config: dict[str, Any], fname: str, nested: bool = False) -> list[KerasLayer]:
+    """Layers of a Sequential/Functional config in order, with per-direction configs and upstream names.
+
+    ``nested``: a model inside the model (a Sequential encoder called in a Functional model) gives its own layers
+    in its place, its first ones fed from what fed the model and what reads the model reading its output layer
+    (Keras 3 archives, whose weights file keeps such a model's layers under its group); else it is refused."""
     cls = config.get("class_name", "")
     body = config.get("config", {})
     entries = body if isinstance(body, list) else body.get("layers", [])  # Keras 2.1 Sequential: a bare list
@@ -346,36 +360,21 @@ def config_layers(config: dict[str, Any], fname: str) -> list[KerasLayer]:
         ecls = e.get("class_name", "?")
         cfg = e.get("config", {}) if isinstance(e.get("config"), dict) else {}
         name = e.get("name") or cfg.get("name") or ecls
-        if ecls in _MODELS:
-            raise ConversionError(
-                f"'{fname}' contains the nested model '{name}'; rnnserve reads flat Sequential or Functional "
-                f"models: save '{name}' on its own (e.g. model.get_layer('{name}').save('{name}.keras')) and "
-                f"convert that"
-            )
         by_name[name] = e
-        if ecls == "RNN":
-            ecls, cfg = _cell_layer(cfg)
-        if ecls == "Bidirectional":
-            inner = _cell_entry(cfg.get("layer", {}))
-            back = _cell_entry(cfg.get("backward_layer") or {}) or None
-            configs = [dict(inner.get("config", {}))]
-            if back:
-                inner_cls, back_cls = inner.get("class_name", "?"), back.get("class_name", inner.get("class_name"))
-                if back_cls != inner_cls:
-                    raise ConversionError(
-                        f"layer '{name}' (Bidirectional) has a {inner_cls} forward and a {back_cls} backward layer; "
-                        f"rnnserve serves both directions of one cell type: make backward_layer a {inner_cls} too")
-                configs.append(dict(back.get("config", {})))
-            else:
-                configs.append({**configs[0], "go_backwards": not configs[0].get("go_backwards", False)})
-            layer = KerasLayer(name, inner.get("class_name", "?"), True, configs,
-                               wrapper={"class_name": "Bidirectional", **{k: v for k, v in cfg.items()
-                                                                         if k not in ("layer", "backward_layer")}})
+        if ecls in _MODELS:
+            if not nested:
+                raise ConversionError(
+                    f"'{fname}' contains the nested model '{name}'; rnnserve reads nested models from .keras "
+                    f"archives, and flat Sequential or Functional models from .h5 files: save the model as .keras, or "
+                    f"save '{name}' on its own (e.g. model.get_layer('{name}').save('{name}.keras')) and convert that"
+                )
+            layer = KerasLayer(name, ecls, inner=config_layers(e, fname, nested))
+            layer.output = _model_output(e, layer.inner or [])
         else:
-            layer = KerasLayer(name, ecls, False, [dict(cfg)])
-        layer.container = e.get("class_name", "")
+            layer = _layer(ecls, cfg, name)
+            layer.state_from = _inbound_names(e)[1:]
+        layer.container = ecls
         layer.calls = max(1, len(e.get("inbound_nodes") or []))
-        layer.state_from = _inbound_names(e)[1:]
         if not functional:
             layer.upstream = prev
             if ecls not in TRANSPARENT:
@@ -384,7 +383,70 @@ def config_layers(config: dict[str, Any], fname: str) -> list[KerasLayer]:
     if functional:
         for layer in layers:
             layer.upstream = _trace_upstream(by_name, by_name[layer.name])
-    return layers
+    return _flatten(layers, fname)
+
+
+def _layer(ecls: str, cfg: dict[str, Any], name: str) -> KerasLayer:
+    """One layer entry (not a model) as a KerasLayer: a Bidirectional wrapper as its inner class with a config per
+    direction, an RNN of one cell as the layer it equals."""
+    if ecls == "RNN":
+        ecls, cfg = _cell_layer(cfg)
+    if ecls != "Bidirectional":
+        return KerasLayer(name, ecls, False, [dict(cfg)])
+    inner = _cell_entry(cfg.get("layer", {}))
+    back = _cell_entry(cfg.get("backward_layer") or {}) or None
+    configs = [dict(inner.get("config", {}))]
+    if back:
+        inner_cls, back_cls = inner.get("class_name", "?"), back.get("class_name", inner.get("class_name"))
+        if back_cls != inner_cls:
+            raise ConversionError(
+                f"layer '{name}' (Bidirectional) has a {inner_cls} forward and a {back_cls} backward layer; "
+                f"rnnserve serves both directions of one cell type: make backward_layer a {inner_cls} too")
+        configs.append(dict(back.get("config", {})))
+    else:
+        configs.append({**configs[0], "go_backwards": not configs[0].get("go_backwards", False)})
+    return KerasLayer(name, inner.get("class_name", "?"), True, configs,
+                      wrapper={"class_name": "Bidirectional", **{k: v for k, v in cfg.items()
+                                                                if k not in ("layer", "backward_layer")}})
+
+
+def _model_output(entry: dict[str, Any], inner: list[KerasLayer]) -> str:
+    """The layer whose output a nested model returns: a Functional one's (first) output layer, a Sequential one's
+    last layer that is not transparent (its input layer when there is none)."""
+    outputs = (entry.get("config") or {}).get("output_layers") if isinstance(entry.get("config"), dict) else None
+    if outputs:
+        first = outputs[0] if isinstance(outputs[0], list) else outputs
+        if first and isinstance(first[0], str):
+            return first[0]
+    shown = [layer.name for layer in inner if layer.container not in TRANSPARENT]
+    return shown[-1] if shown else ""
+
+
+def _flatten(layers: list[KerasLayer], fname: str) -> list[KerasLayer]:
+    """Nested models' layers in their places: what fed a model feeds its first layers, what read it reads its
+    output layer (a model's input layer is the ``""`` upstream inside it)."""
+    models = {layer.name: layer for layer in layers if layer.inner is not None}
+    if not models:
+        return layers
+    out: list[KerasLayer] = []
+    for layer in layers:
+        if layer.inner is None:
+            out.append(layer)
+            continue
+        for inner in layer.inner:
+            if inner.upstream == "" and inner.container != "InputLayer":
+                inner.upstream = layer.upstream
+            out.append(inner)
+    for layer in out:
+        while layer.upstream in models:
+            layer.upstream = models[layer.upstream].output or models[layer.upstream].upstream
+        layer.state_from = [models[n].output if n in models else n for n in layer.state_from]
+    names = [layer.name for layer in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConversionError(f"'{fname}' has layers named alike inside and outside a nested model ({', '.join(twice)}); "
+                              f"rename them (layer names must be unique across the whole model) and save it again")
+    return out
 
 
 _CELLS = {"LSTMCell": "LSTM", "GRUCell": "GRU", "SimpleRNNCell": "SimpleRNN"}

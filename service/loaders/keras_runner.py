@@ -111,13 +111,27 @@ def _from_saved_model(keras, path: Path, chosen: list[KerasLayer], input_size: i
     inp = keras.Input((None, input_size))
     y, pairs = inp, []
     for kl in chosen:
-        src = model.get_layer(kl.name)
+        src = _find_layer(model, kl.name)
         clone = type(src).from_config(_sequences_config(src.get_config()))
         y = clone(y)
         pairs.append((clone, src.get_weights()))
     for clone, weights in pairs:
         clone.set_weights(weights)
     return keras.Model(inp, y)
+
+
+def _find_layer(model: Any, name: str) -> Any:
+    """The layer named ``name`` in ``model`` or in a model nested in it (ValueError when there is none)."""
+    try:
+        return model.get_layer(name)
+    except ValueError:
+        for layer in getattr(model, "layers", []):
+            if hasattr(layer, "get_layer"):
+                try:
+                    return _find_layer(layer, name)
+                except ValueError:
+                    continue
+        raise
 
 
 def _activation(keras, act: dict[str, Any]):

@@ -542,3 +542,41 @@ def test_an_rnn_of_stacked_cells_is_refused_saying_how_to_rebuild_it(tmp_path):
     model = keras.Sequential([keras.Input((None, I)), L.RNN([L.GRUCell(4), L.GRUCell(6)], name="cells")])
     with pytest.raises(ConversionError, match=r"RNN\(StackedRNNCells\) 'cells'.*one RNN layer per cell"):
         convert(save(model, tmp_path, "keras"))
+
+
+def _nested_models():
+    """A Sequential encoder inside a Functional model with a head, and a stack running through a nested model."""
+    encoder = keras.Sequential([keras.Input((None, I)), L.Masking(), L.LSTM(6, return_sequences=True, name="enc_lstm"),
+                                L.GRU(5, return_sequences=True, name="enc_gru")], name="encoder")
+    inp = keras.Input((None, I))
+    headed = keras.Model(inp, L.Dense(2, name="head")(encoder(inp)))
+    middle = keras.Sequential([keras.Input((None, 4)), L.GRU(4, return_sequences=True, reset_after=False,
+                                                              name="mid_gru")], name="middle")
+    spanning = keras.Sequential([keras.Input((None, I)), L.LSTM(4, return_sequences=True, name="first"),
+                                 middle, L.SimpleRNN(3, return_sequences=True, name="last")])
+    for model in (headed, spanning):
+        randomize(model)
+    return {"headed": (headed, encoder, ["enc_lstm", "enc_gru"]), "spanning": (spanning, spanning, ["first", "mid_gru",
+                                                                                                    "last"])}
+
+
+@pytest.mark.parametrize("case", ["headed", "spanning"])
+def test_layers_of_a_nested_model_convert_in_their_place(tmp_path, case):
+    """A model called inside the model (a Sequential encoder) was refused: save it on its own."""
+    model, served, names = _nested_models()[case]
+    packed = convert(save(model, tmp_path, "keras"))
+    assert packed.provenance["selection"] == names and packed.provenance["verification"]["checked"] is True
+    x = batch()
+    expected, got = kout(served, x), ours(packed, x, RAGGED)
+    for i, n in enumerate(RAGGED):
+        close(got[i, :n], expected[i, :n])
+    with pytest.raises(ConversionError, match="contains the nested model .*save the model as .keras"):
+        convert(save(model, tmp_path, "h5"))  # a legacy .h5 keeps nested weights elsewhere: refused as before
+
+
+def test_a_layer_name_used_inside_and_outside_a_nested_model_is_refused(tmp_path):
+    inner = keras.Sequential([keras.Input((None, I)), L.LSTM(4, return_sequences=True, name="rnn")], name="inner")
+    inp = keras.Input((None, I))
+    model = keras.Model(inp, L.GRU(3, name="rnn")(inner(inp)))
+    with pytest.raises(ConversionError, match=r"layers named alike inside and outside a nested model \(rnn\)"):
+        convert(save(model, tmp_path, "keras"))
