@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import time
 import weakref
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -38,12 +39,12 @@ def _helper_start() -> None:
     name_this_process(helper_name())
 
 
-# A call's answer must come within HELPER_BASE_S plus HELPER_S_PER_MIB a MiB of its job (decoding runs at ~40 ms
-# a MB on a development machine; this allows ~25x that, for slow and busy hosts). A helper that does not answer
-# (stopped, wedged) is killed and replaced: before, every large JSON body waited on it for good while health
-# checks, served by the event loop, stayed green.
-HELPER_BASE_S = 10.0
-HELPER_S_PER_MIB = 1.0
+# A helper with work that has not used any CPU for STALL_S (stopped, wedged) is killed and replaced: before, every
+# large JSON body waited on it for good while health checks, served by the event loop, stayed green. Progress, not a
+# deadline: a healthy helper may take long over a queue of large bodies and answers (40 concurrent answers of 16 MB
+# of JSON each took ~30 s on 2 cores), and every one of them must still be served.
+STALL_S = 10.0
+CHECK_S = 1.0  # how often a call waiting on the helper looks at its CPU time
 START_S = 30.0  # a helper's start (a spawned Python importing NumPy and rnnserve: ~1 s)
 
 
@@ -55,6 +56,8 @@ class JsonProcess:
         self._pid: int | None = None  # the helper's, to kill one that does not answer
         self._finalizer: weakref.finalize | None = None
         self._on_thread = False  # no helper can start in this process: decode on a thread, as before
+        self._progress: tuple[int, float, float] | None = None  # helper CPU ticks, when they last moved, last look
+        self._killed: weakref.WeakSet = weakref.WeakSet()  # pools whose helper was killed for making no progress
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in the helper process; its exceptions (rnnserve's errors too) come back as raised.
@@ -62,7 +65,7 @@ class JsonProcess:
         Where no helper can start (a spawned process re-imports the program's ``__main__``, which a program
         read from standard input, for one, does not have), it runs on a thread instead, with a warning.
         A helper found stopped before the call (killed while idle) is replaced and the call goes to the new one;
-        one that stops during the call, or does not answer in time, fails the call with Unavailable.
+        one that stops during the call, or makes no progress for STALL_S, fails the call with Unavailable.
         """
         for _ in range(2):
             pool = await self._started()
@@ -76,15 +79,12 @@ class JsonProcess:
                 log.warning("the JSON helper process had stopped; a new one starts for this body")
                 self.close()
                 continue
-            limit_s = HELPER_BASE_S + HELPER_S_PER_MIB * len(job) / 2**20
             try:
-                answer = await asyncio.wait_for(asyncio.wrap_future(future), limit_s)
+                answer = await self._answer(pool, future)
             except BrokenProcessPool:
                 if self._on_thread:  # sent while the first body found that no helper can start here
                     return await asyncio.to_thread(fn, *args)
                 raise self._stopped(pool) from None
-            except TimeoutError:
-                raise self._unanswered(pool, limit_s) from None
             return pickle.loads(answer)
         raise Unavailable("the server's JSON decoding process stopped twice before it could take this body; send it "
                           "again, or as binary tensor data")
@@ -111,20 +111,57 @@ class JsonProcess:
                             "decoded on a thread, which holds the event loop while each one decodes")
         return self._pool
 
+    async def _answer(self, pool: ProcessPoolExecutor, future: Any) -> bytes:
+        """The job's pickled answer; Unavailable when the helper stops making progress (it is then replaced) or
+        is replaced while the job waits (its queue is cancelled)."""
+        waiting = asyncio.wrap_future(future)
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiting}, timeout=CHECK_S)
+                if done:
+                    break
+                if self._stalled(pool):
+                    self._kill(pool)
+        except asyncio.CancelledError:
+            future.cancel()  # the request went away: a job not yet started is dropped
+            raise
+        if waiting.cancelled():  # queued when the helper was replaced (pool.shutdown cancels what waits)
+            raise Unavailable("the server's JSON decoding process stopped answering and was replaced while this body "
+                              "waited for it; send it again")
+        return waiting.result()
+
+    def _stalled(self, pool: ProcessPoolExecutor) -> bool:
+        """Whether ``pool``'s helper, which has work, has used no CPU for STALL_S (always False without /proc)."""
+        if pool is not self._pool or self._pid is None:
+            return False
+        try:
+            with open(f"/proc/{self._pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            used = int(fields[11]) + int(fields[12])  # utime + stime, fields 14 and 15 of proc(5)
+        except (OSError, ValueError, IndexError):
+            return False
+        now = time.monotonic()
+        if self._progress is None or self._progress[0] != used or now - self._progress[2] > 2 * CHECK_S:
+            self._progress = (used, now, now)  # moved on, or first look since the helper was idle
+            return False
+        self._progress = (used, self._progress[1], now)
+        return now - self._progress[1] > STALL_S
+
+    def _kill(self, pool: ProcessPoolExecutor) -> None:
+        log.warning("the JSON helper process (pid %s) has work and used no CPU for %.0f s (stopped or wedged); it is "
+                    "killed and a new one starts with the next large JSON body", self._pid, STALL_S)
+        self._killed.add(pool)
+        self.close(kill=True)
+
     def _stopped(self, pool: ProcessPoolExecutor) -> Unavailable:
+        if pool in self._killed:
+            return Unavailable("the server's JSON decoding process stopped answering and was replaced while it "
+                               "handled this body; send it again")
         if pool is self._pool:  # not yet replaced by another call's: the next large body starts a new one
             log.warning("the JSON helper process stopped; a new one starts with the next large JSON body")
             self.close()
         return Unavailable("the server's JSON decoding process stopped while it handled this body (out of memory?); "
                            "send it again, in smaller requests, or as binary tensor data")
-
-    def _unanswered(self, pool: ProcessPoolExecutor, limit_s: float) -> Unavailable:
-        if pool is self._pool:
-            log.warning("the JSON helper process (pid %s) did not answer within %.0f s (stopped or wedged); it is "
-                        "killed and a new one starts with the next large JSON body", self._pid, limit_s)
-            self.close(kill=True)
-        return Unavailable(f"the server's JSON decoding process did not answer within {limit_s:.0f} s and was "
-                           f"replaced; send the request again, or as binary tensor data")
 
     def close(self, wait: bool = False, kill: bool = False) -> None:
         """Stop the helper process, if any (a later call starts a new one); ``wait``: until it has exited;
@@ -135,7 +172,7 @@ class JsonProcess:
         waiting for work, and its parent with it.
         """
         pool, finalizer, pid = self._pool, self._finalizer, self._pid
-        self._pool = self._finalizer = self._pid = None
+        self._pool = self._finalizer = self._pid = self._progress = None
         if kill and pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
