@@ -371,7 +371,7 @@ def config_layers(config: dict[str, Any], fname: str, nested: bool = False) -> l
             layer = KerasLayer(name, ecls, inner=config_layers(e, fname, nested))
             layer.output = _model_output(e, layer.inner or [])
         else:
-            layer = _layer(ecls, cfg, name)
+            layer = _layer(_custom(e) + ecls, cfg, name)
             layer.state_from = _inbound_names(e)[1:]
         layer.container = ecls
         layer.calls = max(1, len(e.get("inbound_nodes") or []))
@@ -458,15 +458,27 @@ def _cell_layer(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     the cell's settings and the RNN's. Other cells (custom ones, StackedRNNCells) give ``RNN(<cell class>)``, which
     is no recurrent class rnnserve converts, so only selecting it is refused."""
     cell = cfg.get("cell") if isinstance(cfg.get("cell"), dict) else {}
-    cell_cls = str(cell.get("class_name", "?"))
+    cell_cls = _custom(cell) + str(cell.get("class_name", "?"))
     if cell_cls not in _CELLS:
         return f"RNN({cell_cls})", cfg
     cell_cfg = cell.get("config") if isinstance(cell.get("config"), dict) else {}
     return _CELLS[cell_cls], {**cell_cfg, **{k: v for k, v in cfg.items() if k != "cell"}}
 
 
+def _custom(entry: dict[str, Any]) -> str:
+    """"custom " for a class the model's own code defines (Keras 3 records its module and registered name), which
+    may compute anything under a built-in's name; "" for Keras's own classes and files that do not say."""
+    module, registered = entry.get("module"), entry.get("registered_name")
+    if isinstance(module, str) and module:  # Keras's own ops layers have a registered name too, and module keras.*
+        return "" if module.startswith("keras") else "custom "
+    return "custom " if registered else ""  # registered with register_keras_serializable: "package>Name"
+
+
 def _cell_entry(entry: dict[str, Any]) -> dict[str, Any]:
-    """A Bidirectional's inner layer entry, an RNN of one cell read as the layer it equals."""
+    """A Bidirectional's inner layer entry, an RNN of one cell read as the layer it equals, a custom class named
+    as such (not converted)."""
+    if _custom(entry):
+        return {**entry, "class_name": "custom " + str(entry.get("class_name", "?"))}
     if entry.get("class_name") != "RNN":
         return entry
     cls, cfg = _cell_layer(entry.get("config") if isinstance(entry.get("config"), dict) else {})
