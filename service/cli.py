@@ -45,6 +45,13 @@ def _convert(args: argparse.Namespace) -> int:
         whole = ver.get("whole_file")
         if whole is not None:
             print(_whole_file_line(whole))
+            states = whole.get("state_inputs", {})
+            if states.get("as_sent"):
+                print(f"the file, run with random initial states, reads {', '.join(states['as_sent'])} as sent: send "
+                      f"them as the notes say")
+            if whole.get("state_inputs_unchecked"):
+                print(f"state inputs not checked on the file ({whole['state_inputs_unchecked']}): the notes on them "
+                      f"are the graph's reading only")
     else:
         print(f"not verified: {ver.get('reason', 'verification disabled')}")
     if stored_diff is not None:

@@ -27,6 +27,7 @@ from onnx import NodeProto
 
 from ..errors import VerificationError
 from .onnx_graph import GraphIndex
+from .onnx_state_check import StateClaim, check_state_claims
 from .verify import last_line, runtime_lacks_kernel
 
 # ours(x [B, T, I] float64) -> (output [B, T, F], h of the last block's last layer [D, B, Ho], its c or None)
@@ -39,11 +40,15 @@ _INTS = {f"tensor({t})": np.dtype(t) for t in ("int8", "uint8", "int16", "uint16
 
 
 def whole_file_check(path: Path, index: GraphIndex, chain: list[NodeProto], stack_is_graph: bool,
-                     input_size: int, directions: int, rtol: float, atol: float) -> Callable[[OursRunner], dict]:
+                     input_size: int, directions: int, rtol: float, atol: float,
+                     claims: list[StateClaim] | None = None,
+                     notes: list[str] | None = None) -> Callable[[OursRunner], dict]:
     """A check to run once the model is converted: ``check(ours)`` returns the provenance record
     (``{"ran": True, "compared": [output names]}``) or raises VerificationError.
 
     ``stack_is_graph``: no op outside the recurrent stack computes on the inputs' values (the loader's finding).
+    ``claims``: the loader's notes that call a state input the graph input itself, checked on the file
+    (:mod:`.onnx_state_check`), whose failures are replaced in ``notes``.
     """
     def check(ours: OursRunner) -> dict:
         import onnxruntime as ort
@@ -73,6 +78,8 @@ def whole_file_check(path: Path, index: GraphIndex, chain: list[NodeProto], stac
                                             f"for the inputs {', '.join(guessed)} may not fit the file: "
                                             f"{last_line(failure)}"}
         record: dict[str, Any] = {"ran": True, "compared": []}
+        if claims and notes is not None:
+            record.update(check_state_claims(path, index, claims, feeds, notes, ort, session_options(ort, 4)))
         if x is None:
             return record
         direct = {name: k for name in names if (k := _from_last_node(index, chain[-1], name)) is not None}

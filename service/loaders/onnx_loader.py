@@ -19,6 +19,7 @@ from .onnx_chain import find_edges, order_chain, recurrent_nodes
 from .onnx_file_check import session_options, whole_file_check
 from .onnx_graph import SHAPE_OPS, GraphIndex, read_model
 from .onnx_nodes import node_to_layer
+from .onnx_state_check import StateClaim
 from .source import LoadedSource, SourceRunner, unserved_note
 from .verify import ATOL, RTOL
 
@@ -49,7 +50,8 @@ def load_onnx(path: Path, select: str | None = None, cell: str | None = None, **
     chosen = _select(index, candidates, select) if select else candidates
     chain = order_chain(index, chosen, find_edges(index, chosen))
     notes: list[str] = []
-    layers = [node_to_layer(index, node, notes) for node in chain]
+    claims: list[StateClaim] = []
+    layers = [node_to_layer(index, node, notes, claims) for node in chain]
     if cell:
         for layer in layers:
             if layer.cell != cell:
@@ -73,7 +75,8 @@ def load_onnx(path: Path, select: str | None = None, cell: str | None = None, **
         runner=(runner := _make_runner(index, chain)),
         ragged_ok=True,
         file_check=None if runner is None else whole_file_check(
-            path, index, chain, stack_is_graph, layers[0].input_size, len(layers[-1].directions), RTOL, ATOL),
+            path, index, chain, stack_is_graph, layers[0].input_size, len(layers[-1].directions), RTOL, ATOL,
+            claims, notes),
         details={"onnx_opset": index.opset(), **({"onnx_producer": producer} if producer else {})},
     )
 

@@ -17,6 +17,7 @@ from ..errors import ConversionError
 from ..packing import LayerWeights
 from .layers import RecurrentLayer
 from .onnx_graph import SHAPE_OPS, GraphIndex
+from .onnx_state_check import StateClaim
 
 # ONNX gate block order -> canonical order (index into the ONNX blocks, per canonical gate)
 _ORDER = {"LSTM": (0, 2, 3, 1), "GRU": (1, 0, 2), "RNN": (0,)}   # iofc -> ifgo; zrh -> rzn
@@ -148,7 +149,8 @@ def _value_op(index: GraphIndex, name: str, seen: set[str]) -> NodeProto | None:
     return next((found for i in fed if (found := _value_op(index, i, seen)) is not None), None)
 
 
-def _check_state(index: GraphIndex, node: NodeProto, slot: int, label: str, name: str, notes: list[str]) -> None:
+def _check_state(index: GraphIndex, node: NodeProto, slot: int, label: str, name: str, notes: list[str],
+                 claims: list[StateClaim] | None) -> None:
     if len(node.input) <= slot or not node.input[slot]:
         return
     src = node.input[slot]
@@ -167,6 +169,8 @@ def _check_state(index: GraphIndex, node: NodeProto, slot: int, label: str, name
     if feed:
         notes.append(f"node '{name}': {label} comes from graph input '{feed}'; send it per request as "
                      f"{'c_0' if label == 'initial_c' else 'h_0'} (zeros when omitted)")
+        if claims is not None:  # picks can reorder or cut it: the whole-file check runs the file to see
+            claims.append(StateClaim(node, slot, src, feed, notes[-1]))
         return
     zero = _zero_fill(index, src)
     if zero is not True:
@@ -198,8 +202,10 @@ def _zero_fill(index: GraphIndex, name: str) -> bool | None:
     return None
 
 
-def node_to_layer(index: GraphIndex, node: NodeProto, notes: list[str]) -> RecurrentLayer:
-    """Map one node's weights and attributes to a RecurrentLayer; refuse what rnnserve cannot express."""
+def node_to_layer(index: GraphIndex, node: NodeProto, notes: list[str],
+                  claims: list[StateClaim] | None = None) -> RecurrentLayer:
+    """Map one node's weights and attributes to a RecurrentLayer; refuse what rnnserve cannot express.
+    ``claims`` collects the notes that call a state input the graph input itself (see :mod:`.onnx_state_check`)."""
     op, name = node.op_type, index.name(node)
     direction = _text(index.attr(node, "direction", "forward"))
     if direction not in _DIRECTIONS:
@@ -231,9 +237,9 @@ def node_to_layer(index: GraphIndex, node: NodeProto, notes: list[str]) -> Recur
     elif b.shape != (d_count, 2 * g * h):
         raise ConversionError(f"node '{name}': B has shape {list(b.shape)}, expected {[d_count, 2 * g * h]}")
     _check_lengths(index, node, name, notes)
-    _check_state(index, node, 5, "initial_h", name, notes)
+    _check_state(index, node, 5, "initial_h", name, notes, claims)
     if op == "LSTM":
-        _check_state(index, node, 6, "initial_c", name, notes)
+        _check_state(index, node, 6, "initial_c", name, notes, claims)
     p = _weight(index, node, 7, "P", name) if op == "LSTM" else None
     if p is not None and p.shape != (d_count, 3 * h):
         raise ConversionError(f"node '{name}': P has shape {list(p.shape)}, expected {[d_count, 3 * h]}")

@@ -809,3 +809,95 @@ def test_a_float16_file_says_its_whole_file_check_was_within_float16_rounding(tm
     onnx.save(model, str(path))
     whole = convert(path).provenance["verification"]["whole_file"]
     assert whole["ran"] and whole["compared"] and whole["within"] == "float16's rounding (rtol 0.01, atol 0.01)", whole
+
+
+def _i64(name, values):
+    return numpy_helper.from_array(np.array(values, np.int64), name)
+
+
+def _two_layer_state_graph(tmp_path, picks):
+    """Two stacked LSTM nodes (I=4, H=3) whose initial_h come from graph input h [2, N, 3] through ``picks``
+    (nodes making 'h_a' and 'h_b', the first and second node's initial_h); c stays zero."""
+    a, b = _weights("a", "LSTM", 4, 3), _weights("b", "LSTM", 3, 3, seed=1)
+    nodes = picks + [
+        helper.make_node("LSTM", ["X", "aW", "aR", "aB", "", "h_a"], ["y1"], hidden_size=3, name="first"),
+        helper.make_node("Squeeze", ["y1", "ax1"], ["y1s"]),
+        helper.make_node("LSTM", ["y1s", "bW", "bR", "bB", "", "h_b"], ["y2"], hidden_size=3, name="second")]
+    consts = [_i64("ax1", [1]), _i64("s0", [0]), _i64("s1", [1]), _i64("s2", [2]), _i64("ax0", [0]),
+              _i64("ax2", [2]), _i64("back", [-1]), _i64("end", [-4]), _i64("big", [99]), _i64("swap", [1, 0])]
+    return _save(tmp_path, nodes, a + b + consts, [_f("X", ["T", "N", 4]), _f("h", [2, "N", 3])], [_f("y2")])
+
+
+_PLAIN = [helper.make_node("Slice", ["h", "s0", "s1", "ax0"], ["h_a"]),
+          helper.make_node("Slice", ["h", "s1", "s2", "ax0"], ["h_b"])]
+_REARRANGED = {
+    "layers_swapped": [helper.make_node("Slice", ["h", "s1", "s2", "ax0"], ["h_a"]),
+                       helper.make_node("Slice", ["h", "s0", "s1", "ax0"], ["h_b"])],
+    "h_reversed_by_a_slice_with_step_minus_1": [
+        helper.make_node("Slice", ["h", "back", "end", "ax2", "back"], ["hr"]),
+        helper.make_node("Slice", ["hr", "s0", "s1", "ax0"], ["h_a"]),
+        helper.make_node("Slice", ["hr", "s1", "s2", "ax0"], ["h_b"])],
+    "layers_permuted_by_a_gather": [
+        helper.make_node("Gather", ["h", "swap"], ["hg"], axis=0),
+        helper.make_node("Slice", ["hg", "s0", "s1", "ax0"], ["h_a"]),
+        helper.make_node("Slice", ["hg", "s1", "s2", "ax0"], ["h_b"])],
+    "cast_to_int_and_back": [
+        helper.make_node("Cast", ["h"], ["hi"], to=TensorProto.INT32),
+        helper.make_node("Cast", ["hi"], ["hf"], to=TensorProto.FLOAT),
+        helper.make_node("Slice", ["hf", "s0", "s1", "ax0"], ["h_a"]),
+        helper.make_node("Slice", ["hf", "s1", "s2", "ax0"], ["h_b"])],
+}
+
+
+def test_a_state_input_split_per_layer_as_it_is_is_checked_on_the_file_and_served_as_sent(tmp_path):
+    """The notes say to send 'h' as h_0; the whole file, run with a random 'h', reads it as it is, and the served
+    model fed 'h' (as [B, L*D, H]) answers what onnxruntime answers for the file."""
+    path = _two_layer_state_graph(tmp_path, list(_PLAIN))
+    model = convert(path)
+    whole = model.provenance["verification"]["whole_file"]
+    assert whole["state_inputs"] == {"as_sent": ["h (initial_h)"], "rearranged": []}, whole
+    assert sum("comes from graph input 'h'" in n for n in model.provenance["notes"]) == 2
+    rng = np.random.default_rng(3)
+    x, h = rng.standard_normal((5, 2, 4)).astype(np.float32), rng.standard_normal((2, 2, 3)).astype(np.float32)
+    want = _session(path).run(None, {"X": x, "h": h})[0]  # [T, 1, N, H]
+    got = ReferenceEngine(model, dtype=np.float64).forward(x.transpose(1, 0, 2).astype(np.float64), None,
+                                                           h.transpose(1, 0, 2).astype(np.float64)).output
+    _close(got, want[:, 0].transpose(1, 0, 2))
+
+
+@pytest.mark.parametrize("case", sorted(_REARRANGED))
+def test_a_state_input_reordered_cut_or_rounded_on_its_way_is_not_noted_as_the_input_itself(tmp_path, case):
+    """Verification probe H3: these picks were noted "comes from graph input 'h'; send it as h_0" and the conversion
+    "verified" (the probe fed zero states), while sending 'h' so gave answers unlike the file's. Now the file runs
+    with a random 'h' and the note says to send what the nodes read."""
+    path = _two_layer_state_graph(tmp_path, list(_REARRANGED[case]))
+    model = convert(path)
+    notes = model.provenance["notes"]
+    assert not any("comes from graph input 'h'" in n for n in notes), notes
+    changed = [n for n in notes if "initial_h is graph input 'h' taken through" in n]
+    assert len(changed) == 2 and all("send per request as h_0 the values the node reads, not 'h' itself" in n
+                                     for n in changed), notes
+    assert model.provenance["verification"]["whole_file"]["state_inputs"] == {
+        "as_sent": [], "rearranged": ["h (initial_h)"]}
+    # what the note now says is true: 'h' as sent does not give the file's answers
+    rng = np.random.default_rng(3)
+    x, h = rng.standard_normal((5, 2, 4)).astype(np.float32), rng.standard_normal((2, 2, 3)).astype(np.float32)
+    want = _session(path).run(None, {"X": x, "h": h})[0][:, 0].transpose(1, 0, 2)
+    got = ReferenceEngine(model, dtype=np.float64).forward(x.transpose(1, 0, 2).astype(np.float64), None,
+                                                           h.transpose(1, 0, 2).astype(np.float64)).output
+    assert np.max(np.abs(got - want)) > 1e-3
+
+
+@pytest.mark.parametrize("picks,says", [
+    ("plain", "the file, run with random initial states, reads h (initial_h) as sent: send them as the notes say"),
+    ("layers_swapped", "note: node 'first': initial_h is graph input 'h' taken through Slice 'Slice_0', which do not "
+                       "pass it on as it is"),
+])
+def test_rnnserve_convert_prints_what_the_state_check_found(tmp_path, picks, says):
+    import subprocess
+    import sys
+
+    path = _two_layer_state_graph(tmp_path, list(_PLAIN if picks == "plain" else _REARRANGED[picks]))
+    res = subprocess.run([sys.executable, "-m", "service.cli", "convert", str(path), "--name", "m", "--repository",
+                          str(tmp_path / "repo")], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and says in res.stdout, res.stdout + res.stderr
