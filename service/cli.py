@@ -47,8 +47,8 @@ def _convert(args: argparse.Namespace) -> int:
             print(_whole_file_line(whole))
             states = whole.get("state_inputs", {})
             if states.get("as_sent"):
-                print(f"the file, run with random initial states, reads {', '.join(states['as_sent'])} as sent: send "
-                      f"them as the notes say")
+                print(f"the file, run with random initial states and distinct lengths, reads "
+                      f"{', '.join(states['as_sent'])} as sent")
             if whole.get("state_inputs_unchecked"):
                 print(f"state inputs not checked on the file ({whole['state_inputs_unchecked']}): the notes on them "
                       f"are the graph's reading only")

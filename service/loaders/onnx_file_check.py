@@ -27,6 +27,7 @@ from onnx import NodeProto
 
 from ..errors import VerificationError
 from .onnx_graph import GraphIndex
+from .onnx_nodes import value_op
 from .onnx_state_check import StateClaim, check_state_claims
 from .verify import last_line, runtime_lacks_kernel
 
@@ -151,13 +152,14 @@ def _from_last_node(index: GraphIndex, last: NodeProto, name: str) -> int | None
 
 
 def _lengths_inputs(index: GraphIndex, chain: list[NodeProto]) -> set[str]:
-    """Graph inputs that reach a recurrent node's sequence_lens through shape-only ops."""
+    """Graph inputs that reach a recurrent node's sequence_lens through ops that only pick or reshape (a Gather
+    too: fed 1s, their lengths made the file's answers unlike the converted model's at full length)."""
     found = set()
     for node in chain:
-        if len(node.input) > 4 and node.input[4]:
-            name, producer, _ = index.past_shape_ops(node.input[4])
-            if producer is None and name in index.graph_inputs:
-                found.add(name)
+        if len(node.input) > 4 and node.input[4] and value_op(index, node.input[4], set()) is None:
+            feed = index.depends_on_input(node.input[4])
+            if feed is not None:
+                found.add(feed)
     return found
 
 

@@ -97,9 +97,11 @@ def _weight(index: GraphIndex, node: NodeProto, slot: int, label: str, name: str
     return np.asarray(value, dtype=np.float64)
 
 
-def _check_lengths(index: GraphIndex, node: NodeProto, name: str, notes: list[str]) -> None:
+def _check_lengths(index: GraphIndex, node: NodeProto, name: str, notes: list[str],
+                   claims: list[StateClaim] | None) -> None:
     """Refuse a constant ``sequence_lens``: the served model takes lengths per request, so the file's would be lost.
-    Lengths the graph computes from an input are noted: the client must send the computed ones."""
+    Lengths the graph computes from an input are noted: the client must send the computed ones. Lengths picked
+    from an input are that input, as sent, unless the file shows otherwise (``claims``)."""
     if len(node.input) <= 4 or not node.input[4]:
         return
     value = index.constant(node.input[4])
@@ -110,7 +112,9 @@ def _check_lengths(index: GraphIndex, node: NodeProto, name: str, notes: list[st
             f"per request (the 'lengths' input), not from the file. Make it a graph input and send those lengths "
             f"per request (removing it would run every sequence at full length)"
         )
-    _note_computed(index, node.input[4], f"node '{name}': sequence_lens", "lengths", notes)
+    if not _note_computed(index, node.input[4], f"node '{name}': sequence_lens", "lengths", notes) \
+            and claims is not None and (feed := index.depends_on_input(node.input[4])):
+        claims.append(StateClaim(node, 4, node.input[4], feed, ""))  # sent as 'lengths': no note unless it fails
 
 
 # Ops that move, pick or join values without changing them: a state or lengths input reaching a node through
@@ -123,7 +127,7 @@ def _note_computed(index: GraphIndex, src: str, what: str, served: str, notes: l
     reshape or join them): the served model takes the computed value as ``served``, so the client must compute
     it. Sending the graph input itself, as for a plain input, gave answers off by up to 3 (a probe's Neg before
     initial_h)."""
-    changer = _value_op(index, src, set())
+    changer = value_op(index, src, set())
     if changer is None:
         return False
     feed = index.depends_on_input(src)
@@ -133,8 +137,9 @@ def _note_computed(index: GraphIndex, src: str, what: str, served: str, notes: l
     return True
 
 
-def _value_op(index: GraphIndex, name: str, seen: set[str]) -> NodeProto | None:
-    """The first node on a path from a graph input to ``name`` that changes values, or None."""
+def value_op(index: GraphIndex, name: str, seen: set[str]) -> NodeProto | None:
+    """The first node on a path from a graph input to ``name`` that changes values (not only picks, reshapes or
+    joins them), or None."""
     if name in seen or name not in index.producer:
         return None
     seen.add(name)
@@ -146,7 +151,7 @@ def _value_op(index: GraphIndex, name: str, seen: set[str]) -> NodeProto | None:
         return None
     if node.op_type not in _SELECTING:
         return node
-    return next((found for i in fed if (found := _value_op(index, i, seen)) is not None), None)
+    return next((found for i in fed if (found := value_op(index, i, seen)) is not None), None)
 
 
 def _check_state(index: GraphIndex, node: NodeProto, slot: int, label: str, name: str, notes: list[str],
@@ -236,7 +241,7 @@ def node_to_layer(index: GraphIndex, node: NodeProto, notes: list[str],
         b = np.zeros((d_count, 2 * g * h))
     elif b.shape != (d_count, 2 * g * h):
         raise ConversionError(f"node '{name}': B has shape {list(b.shape)}, expected {[d_count, 2 * g * h]}")
-    _check_lengths(index, node, name, notes)
+    _check_lengths(index, node, name, notes, claims)
     _check_state(index, node, 5, "initial_h", name, notes, claims)
     if op == "LSTM":
         _check_state(index, node, 6, "initial_c", name, notes, claims)

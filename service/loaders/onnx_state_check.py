@@ -1,4 +1,4 @@
-"""Whether an ONNX state input that the notes call "the input itself" is what the recurrent nodes read.
+"""Whether an ONNX state (or lengths) input that the notes call "the input itself" is what the recurrent nodes read.
 
 A node's initial_h or initial_c that reaches a graph input only through ops that move values (Slice, Gather,
 Split, Concat, Transpose, Cast, ...) is noted as "send that input per request as h_0/c_0" (:mod:`.onnx_nodes`).
@@ -9,7 +9,8 @@ weights check out, because the whole-file probe feeds zero states (a verificatio
 So the file runs once more in onnxruntime, with random values in those inputs and the nodes' state inputs as
 extra outputs. A note stands only when what the nodes read, stacked in the served layout h_0 [B, L*D, H] (or
 [L*D, B, H], as torch exports it), holds the input's own values in the input's own order and shape. A note that
-fails is replaced by one that says to send what the nodes read.
+fails is replaced by one that says to send what the nodes read. Lengths picked from a graph input (sent as
+'lengths', with no note) are checked the same way, with distinct lengths fed.
 """
 from __future__ import annotations
 
@@ -31,10 +32,10 @@ class StateClaim:
     ``feed`` itself."""
 
     node: NodeProto
-    slot: int
+    slot: int          # 4 sequence_lens, 5 initial_h, 6 initial_c
     value: str
     feed: str
-    note: str
+    note: str          # "" where the loader said nothing (lengths: sent as 'lengths')
 
 
 def check_state_claims(path: Path, index: GraphIndex, claims: list[StateClaim], feeds: dict[str, np.ndarray],
@@ -44,14 +45,20 @@ def check_state_claims(path: Path, index: GraphIndex, claims: list[StateClaim], 
     ``{"state_inputs": {"as_sent": [...], "rearranged": [...]}}``, or ``{"state_inputs_unchecked": reason}``
     when they could not be checked, or {} when there were none."""
     top = {o for n in index.model.graph.node for o in n.output} | {i.name for i in index.model.graph.input}
-    unchecked = [c for c in claims if c.value not in top or c.feed not in feeds or feeds[c.feed].dtype.kind != "f"]
+    unchecked = [c for c in claims if c.value not in top or c.feed not in feeds
+                 or feeds[c.feed].dtype.kind not in (("i", "u") if c.slot == 4 else ("f",))]
     claims = [c for c in claims if c not in unchecked]
     if not claims:
         return {"state_inputs_unchecked": "the recurrent nodes are inside a subgraph"} if unchecked else {}
     rng = np.random.default_rng(2468)
     feeds = dict(feeds)
-    for feed in {c.feed for c in claims}:
-        feeds[feed] = (0.5 * rng.standard_normal(feeds[feed].shape)).astype(feeds[feed].dtype)
+    for feed, slot in {(c.feed, c.slot) for c in claims}:
+        if slot == 4:  # distinct lengths in 1..T, so that a reordering shows (the probe fed T for every one)
+            top_length = max(int(feeds[feed].max()), 1)
+            feeds[feed] = (top_length - np.arange(feeds[feed].size) % top_length).reshape(feeds[feed].shape) \
+                .astype(feeds[feed].dtype)
+        else:
+            feeds[feed] = (0.5 * rng.standard_normal(feeds[feed].shape)).astype(feeds[feed].dtype)
     extra = list(dict.fromkeys(c.value for c in claims if c.value not in feeds))
     try:
         model = onnx.load(str(path))  # external data too: the copy runs from bytes
@@ -67,19 +74,21 @@ def check_state_claims(path: Path, index: GraphIndex, claims: list[StateClaim], 
     for claim in claims:
         groups.setdefault((claim.feed, claim.slot), []).append(claim)
     for (feed, slot), group in groups.items():
-        label = "initial_h" if slot == 5 else "initial_c"
+        label = {4: "sequence_lens", 5: "initial_h", 6: "initial_c"}[slot]
         if _holds(feeds[feed], [(c.node, np.asarray(read[c.value])) for c in group], index):
             as_sent.append(f"{feed} ({label})")
             continue
         rearranged.append(f"{feed} ({label})")
-        served = "h_0" if slot == 5 else "c_0"
+        served = {4: "lengths", 5: "h_0", 6: "c_0"}[slot]
         for claim in group:
-            if claim.note in notes:
-                notes[notes.index(claim.note)] = (
-                    f"node '{index.name(claim.node)}': {label} is graph input '{feed}' taken through "
+            note = (f"node '{index.name(claim.node)}': {label} is graph input '{feed}' taken through "
                     f"{_path_ops(index, claim.value, feed)}, which do not pass it on as it is (the node reads its "
-                    f"values reordered, cut, repeated or rounded): send per request as {served} the values the node reads, not "
-                    f"'{feed}' itself")
+                    f"values reordered, cut, repeated or rounded): send per request as {served} the values the node "
+                    f"reads, not '{feed}' itself")
+            if claim.note in notes:
+                notes[notes.index(claim.note)] = note
+            else:
+                notes.append(note)
     out: dict[str, Any] = {"state_inputs": {"as_sent": as_sent, "rearranged": rearranged}}
     if unchecked:
         out["state_inputs_unchecked"] = "some recurrent nodes are inside a subgraph"
@@ -88,7 +97,9 @@ def check_state_claims(path: Path, index: GraphIndex, claims: list[StateClaim], 
 
 def _holds(fed: np.ndarray, reads: list[tuple[NodeProto, np.ndarray]], index: GraphIndex) -> bool:
     """Whether the nodes' reads, stacked in chain order as [B, rows, H] (layout 1 nodes read [B, D, H], layout 0
-    ones [D, B, H]), are ``fed`` itself as [B, rows, H] or [rows, B, H]."""
+    ones [D, B, H]), are ``fed`` itself as [B, rows, H] or [rows, B, H]; lengths [B]: each node reads ``fed``."""
+    if all(value.ndim == 1 for _, value in reads):
+        return all(np.array_equal(np.asarray(fed).astype(value.dtype).reshape(-1), value) for _, value in reads)
     rows = []
     for node, value in reads:
         if value.ndim != 3:

@@ -889,7 +889,7 @@ def test_a_state_input_reordered_cut_or_rounded_on_its_way_is_not_noted_as_the_i
 
 
 @pytest.mark.parametrize("picks,says", [
-    ("plain", "the file, run with random initial states, reads h (initial_h) as sent: send them as the notes say"),
+    ("plain", "the file, run with random initial states and distinct lengths, reads h (initial_h) as sent"),
     ("layers_swapped", "note: node 'first': initial_h is graph input 'h' taken through Slice 'Slice_0', which do not "
                        "pass it on as it is"),
 ])
@@ -901,3 +901,25 @@ def test_rnnserve_convert_prints_what_the_state_check_found(tmp_path, picks, say
     res = subprocess.run([sys.executable, "-m", "service.cli", "convert", str(path), "--name", "m", "--repository",
                           str(tmp_path / "repo")], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and says in res.stdout, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("permuted", [False, True])
+def test_lengths_picked_from_an_input_are_checked_on_the_file(tmp_path, permuted):
+    """sequence_lens = Gather(n, [1, 0, 2]) reads the lengths of other sequences: sending 'n' as lengths gave wrong
+    answers with no note. A plain pick (Identity) is 'n' itself."""
+    w, r, b = _weights("", "GRU", 4, 3)
+    pick = (helper.make_node("Gather", ["n", "perm"], ["lens"], axis=0) if permuted
+            else helper.make_node("Identity", ["n"], ["lens"]))
+    nodes = [pick, helper.make_node("GRU", ["X", "W", "R", "B", "lens"], ["y"], hidden_size=3, name="g")]
+    path = _save(tmp_path, nodes, [w, r, b, _i64("perm", [1, 0, 2])],
+                 [_f("X", ["T", 3, 4]), helper.make_tensor_value_info("n", TensorProto.INT32, [3])], [_f("y")])
+    model = convert(path)
+    states = model.provenance["verification"]["whole_file"]["state_inputs"]
+    notes = model.provenance["notes"]
+    if permuted:
+        assert states == {"as_sent": [], "rearranged": ["n (sequence_lens)"]}, states
+        assert "node 'g': sequence_lens is graph input 'n' taken through Gather 'Gather_0', which do not pass it on " \
+               "as it is (the node reads its values reordered, cut, repeated or rounded): send per request as " \
+               "lengths the values the node reads, not 'n' itself" in notes, notes
+    else:
+        assert states == {"as_sent": ["n (sequence_lens)"], "rearranged": []} and not notes, (states, notes)
