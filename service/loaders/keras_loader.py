@@ -83,14 +83,22 @@ def load_keras(path: Path, select: str | None = None, cell: str | None = None, *
     if not kfile.has_config:
         _note_weights_only(kfile, chosen, cell, notes, explicit=select is not None)
     layers = [to_recurrent_layer(layer, kfile.keras3, default, cell) for layer in chosen]
-    runner = keras_runner(path, kfile, chosen, layers)
+    def rebuilt(why: str) -> None:
+        source.check_scope = (f"Keras layers rebuilt from the weights as rnnserve read them, not the saved model: "
+                              f"Keras could not load the file ({why})")
+
+    runner = keras_runner(path, kfile, chosen, layers, rebuilt)
     tolerance = _reduced_precision(chosen, notes)
     details = {"keras_file": kfile.kind}
     if kfile.keras_version:
         details["keras_version"] = kfile.keras_version
-    return LoadedSource("keras", layers, [layer.name for layer in chosen], notes, runner, ragged_ok=True,
-                        details=details, unchecked_reason=keras_missing() if runner is None else "",
-                        check_tolerance=tolerance)
+    # a weights-only file holds no model: the check runs Keras layers built under the assumptions noted above
+    scope = "" if kfile.has_config else ("Keras layers rebuilt from the file's weights under the assumptions "
+                                         "noted; a weights-only file does not hold the model they came from")
+    source = LoadedSource("keras", layers, [layer.name for layer in chosen], notes, runner, ragged_ok=True,
+                          details=details, unchecked_reason=keras_missing() if runner is None else "",
+                          check_tolerance=tolerance, check_scope=scope)
+    return source
 
 
 # Keras dtype policies that compute in less than float32, and the check's (rtol, atol) for them

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -59,9 +59,10 @@ def _import_keras():
     return keras
 
 
-def keras_runner(path: Path, kfile: KerasFile, chosen: list[KerasLayer],
-                 layers: list[RecurrentLayer]) -> SourceRunner | None:
-    """A runner x [B, T, I], lengths [B] -> output [B, T, D*Ho], or None without Keras."""
+def keras_runner(path: Path, kfile: KerasFile, chosen: list[KerasLayer], layers: list[RecurrentLayer],
+                 rebuilt: Callable[[str], None] = lambda why: None) -> SourceRunner | None:
+    """A runner x [B, T, I], lengths [B] -> output [B, T, D*Ho], or None without Keras. ``rebuilt(why)`` is told
+    when Keras cannot load a file it wrote and the layers are rebuilt from what the loader read instead."""
     if not keras_available():
         return None
     cache: dict[str, Any] = {}
@@ -71,7 +72,7 @@ def keras_runner(path: Path, kfile: KerasFile, chosen: list[KerasLayer],
     def run(x: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         keras = _import_keras()
         if "model" not in cache:
-            cache["model"] = _build(keras, path, kfile, chosen, layers)
+            cache["model"] = _build(keras, path, kfile, chosen, layers, rebuilt)
         model = cache["model"]
         b, t, _ = x.shape
         out = np.zeros((b, t, width), dtype=np.float32)
@@ -84,12 +85,15 @@ def keras_runner(path: Path, kfile: KerasFile, chosen: list[KerasLayer],
     return run
 
 
-def _build(keras, path: Path, kfile: KerasFile, chosen: list[KerasLayer], layers: list[RecurrentLayer]):
+def _build(keras, path: Path, kfile: KerasFile, chosen: list[KerasLayer], layers: list[RecurrentLayer],
+           rebuilt: Callable[[str], None]):
     if kfile.kind == "keras" or (kfile.kind == "h5-model" and kfile.keras3):
         try:
             return _from_saved_model(keras, path, chosen, layers[0].input_size)
-        except (ValueError, TypeError, KeyError, AttributeError, OSError):
-            pass  # custom objects or layers Keras cannot load: rebuild from what the loader read
+        except (ValueError, TypeError, KeyError, AttributeError, OSError) as exc:
+            # custom objects or layers Keras cannot load: rebuild from what the loader read, and say so (the
+            # check is then as good as the loader's reading, which it was silently taken for)
+            rebuilt(f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[-1][:300]}")
     return _from_weights(keras, chosen, layers)
 
 

@@ -605,3 +605,31 @@ def test_a_custom_class_under_a_built_in_name_is_not_converted_as_the_built_in(t
     with pytest.raises(ConversionError, match=r"no recurrent layer rnnserve can convert .*(custom LSTM|RNN\(custom "
                                               r"LSTMCell\)|mine>LSTM) "):  # a legacy .h5 names a class as registered
         convert(save(model, tmp_path, fmt))
+
+
+def test_a_weights_only_file_is_not_said_to_be_checked_against_the_model_it_came_from(tmp_path):
+    """Verification probe M2: a weights-only file of Bidirectional(merge_mode="sum") converted as concat and printed
+    "verified against keras": the check rebuilt the layers under the loader's own assumptions. The record now says
+    what was checked; a full save says nothing of the kind."""
+    model = keras.Sequential([keras.Input((None, I)), L.Bidirectional(L.LSTM(5, return_sequences=True),
+                                                                       merge_mode="sum")])
+    weights_only = convert(save(model, tmp_path, "weights"))
+    scope = weights_only.provenance["verification"]["scope"]
+    assert scope.startswith("Keras layers rebuilt from the file's weights under the assumptions noted"), scope
+    assert any("merge_mode=concat (assumed)" in n for n in weights_only.provenance["notes"])
+    with pytest.raises(ConversionError, match="merge_mode"):
+        convert(save(model, tmp_path, "keras"))  # the full save says "sum", which rnnserve refuses
+    full = convert(save(keras.Sequential([keras.Input((None, I)), L.LSTM(5, return_sequences=True)]), tmp_path,
+                        "keras", "plain"))
+    assert "scope" not in full.provenance["verification"]
+
+
+def test_a_saved_model_keras_cannot_load_is_checked_against_a_rebuild_and_says_so(tmp_path):
+    """A Lambda layer beside the stack: Keras's load_model refuses it (safe mode), and the check silently fell back
+    to layers rebuilt from the loader's own reading while reporting "verified against keras"."""
+    model = keras.Sequential([keras.Input((None, I)), L.Lambda(lambda v: v * 2),
+                              L.LSTM(5, return_sequences=True, name="rnn")])
+    packed = convert(save(model, tmp_path, "keras"), select="rnn")
+    scope = packed.provenance["verification"]["scope"]
+    assert scope.startswith("Keras layers rebuilt from the weights as rnnserve read them, not the saved model: "
+                            "Keras could not load the file (ValueError: "), scope
