@@ -314,11 +314,18 @@ def _read_h5(h5, fname: str) -> KerasFile:
 def _legacy_weights(group, name: str) -> list[dict[str, np.ndarray]]:
     """Per-direction {role: array} from a layer group's ``weight_names`` attribute."""
     wnames = [_text(n) for n in group.attrs.get("weight_names", [])]
+    # a Bidirectional with its own backward_layer names that layer as the user did ('lstm_1', not 'backward_lstm'):
+    # its two sub-layers are then told apart by their prefixes, forward first (the order Keras saves them in)
+    prefixes = list(dict.fromkeys(wn.rsplit("/", 1)[0] for wn in wnames if "/" in wn))
+    by_order = len(prefixes) == 2 and not any("backward_" in p for p in prefixes)
     dirs: dict[int, dict[str, np.ndarray]] = {}
     for wn in wnames:
         parts = wn.split("/")
         role = parts[-1].split(":")[0]
-        d = 1 if any(p.startswith("backward_") for p in parts[:-1]) else 0
+        if by_order:
+            d = prefixes.index(wn.rsplit("/", 1)[0])
+        else:
+            d = 1 if any(p.startswith("backward_") for p in parts[:-1]) else 0
         if role not in _ROLES:
             return []  # not an RNN layer of a known form (Dense, Embedding, Keras 1 names, ...)
         dirs.setdefault(d, {})[role] = _weight_array(group[wn])

@@ -633,3 +633,15 @@ def test_a_saved_model_keras_cannot_load_is_checked_against_a_rebuild_and_says_s
     scope = packed.provenance["verification"]["scope"]
     assert scope.startswith("Keras layers rebuilt from the weights as rnnserve read them, not the saved model: "
                             "Keras could not load the file (ValueError: "), scope
+
+
+@pytest.mark.parametrize("fmt", ["h5", "keras"])
+def test_a_bidirectional_with_its_own_backward_layer_converts_from_legacy_h5_too(tmp_path, fmt):
+    """A legacy .h5 names the backward layer's weights by its own name ('lstm_1/...', not 'backward_lstm/...'):
+    both sets were read as forward and the file refused with "found 1 sets"."""
+    model = keras.Sequential([keras.Input((None, I)), L.Bidirectional(
+        L.LSTM(5, return_sequences=True),
+        backward_layer=L.LSTM(5, go_backwards=True, return_sequences=True, recurrent_activation="hard_sigmoid"))])
+    randomize(model)
+    x = batch(lengths=[T] * B)
+    close(ours(convert(save(model, tmp_path, fmt)), x), kout(model, x))
