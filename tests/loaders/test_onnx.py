@@ -923,3 +923,16 @@ def test_lengths_picked_from_an_input_are_checked_on_the_file(tmp_path, permuted
                "lengths the values the node reads, not 'n' itself" in notes, notes
     else:
         assert states == {"as_sent": ["n (sequence_lens)"], "rearranged": []} and not notes, (states, notes)
+
+
+def test_a_state_computed_from_several_inputs_names_them_all(tmp_path):
+    """initial_h = Where(cond, h, 0): the note named only 'cond' (the first input found), not 'h'."""
+    w, r, b = _weights("", "GRU", 4, 3)
+    nodes = [helper.make_node("Where", ["cond", "h", "zero"], ["h0"]),
+             helper.make_node("GRU", ["X", "W", "R", "B", "", "h0"], ["y"], hidden_size=3, name="g")]
+    zero = numpy_helper.from_array(np.zeros((1, 1, 3), np.float32), "zero")
+    path = _save(tmp_path, nodes, [w, r, b, zero],
+                 [_f("X", ["T", "N", 4]), helper.make_tensor_value_info("cond", TensorProto.BOOL, [1, "N", 3]),
+                  _f("h", [1, "N", 3])], [_f("y")])
+    assert "node 'g': initial_h is computed from graph inputs 'cond', 'h' by Where (node 'Where_0'), which rnnserve " \
+           "does not serve: send the computed value per request as h_0, not any of them itself" in load_onnx(path).notes
