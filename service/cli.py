@@ -47,11 +47,11 @@ def _convert(args: argparse.Namespace) -> int:
             print(_whole_file_line(whole))
             states = whole.get("state_inputs", {})
             if states.get("as_sent"):
-                print(f"the file, run with random initial states and distinct lengths, reads "
-                      f"{', '.join(states['as_sent'])} as sent")
+                print(f"the file, run with random values in its state and lengths inputs, reads "
+                      f"{', '.join(states['as_sent'])} as sent (the notes say how)")
             if whole.get("state_inputs_unchecked"):
-                print(f"state inputs not checked on the file ({whole['state_inputs_unchecked']}): the notes on them "
-                      f"are the graph's reading only")
+                print(f"state or lengths inputs not checked on the file ({whole['state_inputs_unchecked']}): the "
+                      f"notes on them are the graph's reading only")
     else:
         print(f"not verified: {ver.get('reason', 'verification disabled')}")
     if stored_diff is not None:

@@ -28,7 +28,7 @@ from onnx import NodeProto
 from ..errors import VerificationError
 from .onnx_graph import GraphIndex
 from .onnx_nodes import value_op
-from .onnx_state_check import StateClaim, check_state_claims
+from .onnx_state_check import StateClaim, check_state_claims, unchecked_claims
 from .verify import last_line, runtime_lacks_kernel
 
 # ours(x [B, T, I] float64) -> (output [B, T, F], h of the last block's last layer [D, B, Ho], its c or None)
@@ -51,6 +51,12 @@ def whole_file_check(path: Path, index: GraphIndex, chain: list[NodeProto], stac
     ``claims``: the loader's notes that call a state input the graph input itself, checked on the file
     (:mod:`.onnx_state_check`), whose failures are replaced in ``notes``.
     """
+    def not_run(reason: str) -> dict:
+        record = {"ran": False, "reason": reason}
+        if claims and notes is not None:  # the notes on state inputs then stand unchecked, and say so
+            record.update(unchecked_claims(index, claims, notes, "onnxruntime did not run the file"))
+        return record
+
     def check(ours: OursRunner) -> dict:
         import onnxruntime as ort
 
@@ -59,7 +65,7 @@ def whole_file_check(path: Path, index: GraphIndex, chain: list[NodeProto], stac
             session = ort.InferenceSession(str(path), session_options(ort, 4), providers=["CPUExecutionProvider"])
         except Exception as exc:  # noqa: BLE001 - any refusal by the runtime is the file's to report
             if runtime_lacks_kernel(exc):  # valid ONNX that onnxruntime lacks a kernel for (e.g. layout=1 recurrent nodes)
-                return {"ran": False, "reason": f"onnxruntime does not support the file: {last_line(exc)}"}
+                return not_run(f"onnxruntime does not support the file: {last_line(exc)}")
             raise _refused(path, index, "load", exc) from exc
         x_name = _stack_input(index, chain[0]) if stack_is_graph else None
         names = [o.name for o in session.get_outputs()]
@@ -70,17 +76,17 @@ def whole_file_check(path: Path, index: GraphIndex, chain: list[NodeProto], stac
                 break
             except Exception as exc:  # noqa: BLE001
                 if runtime_lacks_kernel(exc):
-                    return {"ran": False, "reason": f"onnxruntime does not support the file: {last_line(exc)}"}
+                    return not_run(f"onnxruntime does not support the file: {last_line(exc)}")
                 if not guessed:
                     raise _refused(path, index, "run", exc) from exc
                 failure = exc  # the probe may be what is wrong, not the file: the next sizes, if any
         else:
-            return {"ran": False, "reason": f"onnxruntime did not run it on rnnserve's probe, whose sizes or types "
-                                            f"for the inputs {', '.join(guessed)} may not fit the file: "
-                                            f"{last_line(failure)}"}
+            return not_run(f"onnxruntime did not run it on rnnserve's probe, whose sizes or types for the inputs "
+                           f"{', '.join(dict.fromkeys(guessed))} may not fit the file: {last_line(failure)}")
         record: dict[str, Any] = {"ran": True, "compared": []}
         if claims and notes is not None:
-            record.update(check_state_claims(path, index, claims, feeds, notes, ort, session_options(ort, 4)))
+            record.update(check_state_claims(path, index, chain, claims, feeds, guessed, notes, ort,
+                                             session_options(ort, 4)))
         if x is None:
             return record
         direct = {name: k for name in names if (k := _from_last_node(index, chain[-1], name)) is not None}

@@ -856,7 +856,8 @@ def test_a_state_input_split_per_layer_as_it_is_is_checked_on_the_file_and_serve
     model = convert(path)
     whole = model.provenance["verification"]["whole_file"]
     assert whole["state_inputs"] == {"as_sent": ["h (initial_h)"], "rearranged": []}, whole
-    assert sum("comes from graph input 'h'" in n for n in model.provenance["notes"]) == 2
+    assert sum("initial_h comes from graph input 'h': send it per request as h_0 [B, 2, H], transposed from "
+               "[2, B, 3] as torch exports it" in n for n in model.provenance["notes"]) == 2, model.provenance["notes"]
     rng = np.random.default_rng(3)
     x, h = rng.standard_normal((5, 2, 4)).astype(np.float32), rng.standard_normal((2, 2, 3)).astype(np.float32)
     want = _session(path).run(None, {"X": x, "h": h})[0]  # [T, 1, N, H]
@@ -889,7 +890,8 @@ def test_a_state_input_reordered_cut_or_rounded_on_its_way_is_not_noted_as_the_i
 
 
 @pytest.mark.parametrize("picks,says", [
-    ("plain", "the file, run with random initial states and distinct lengths, reads h (initial_h) as sent"),
+    ("plain", "the file, run with random values in its state and lengths inputs, reads h (initial_h) as sent (the "
+              "notes say how)"),
     ("layers_swapped", "note: node 'first': initial_h is graph input 'h' taken through Slice 'Slice_0', which do not "
                        "pass it on as it is"),
 ])
@@ -936,3 +938,75 @@ def test_a_state_computed_from_several_inputs_names_them_all(tmp_path):
                   _f("h", [1, "N", 3])], [_f("y")])
     assert "node 'g': initial_h is computed from graph inputs 'cond', 'h' by Where (node 'Where_0'), which rnnserve " \
            "does not serve: send the computed value per request as h_0, not any of them itself" in load_onnx(path).notes
+
+
+def _one_gru(tmp_path, picks, inputs, lens="", state="h0", d=1, layout=0, x_shape=("T", "N", 4), before_x=()):
+    """One GRU node (I=4, H=3, ``d`` directions) fed X (through ``before_x`` nodes making 'xin', if any), reading
+    ``lens`` and ``state`` made by ``picks`` from ``inputs``."""
+    w, r, b = _weights("", "GRU", 4, 3, d=d)
+    x = "xin" if before_x else "X"
+    nodes = list(before_x) + list(picks) + [helper.make_node(
+        "GRU", [x, "W", "R", "B", lens, state], ["y"], hidden_size=3, name="g", layout=layout,
+        direction="bidirectional" if d == 2 else "forward")]
+    consts = [_i64("s0", [0]), _i64("s1", [1]), _i64("ax0", [0]), _i64("ax2", [2]), _i64("back", [-1]),
+              _i64("end", [-99]), _i64("rev", [2, 1, 0]), _i64("shape", [-1, 2, 3]),
+              numpy_helper.from_array(np.array(2.0, np.float32), "two")]
+    return _save(tmp_path, nodes, [w, r, b] + consts, [_f("X", list(x_shape))] + inputs, [_f("y")])
+
+
+def test_state_notes_say_which_rows_and_form_the_input_fills(tmp_path):
+    """A state input that fills only one layer's rows, or h_0 batch first, or reshaped: the note says how to send
+    it (it said "send it as h_0", which the served model refused, or a client took torch's [L*D, B, H] for it)."""
+    # batch first [N, 2, 3] for a bidirectional node: as it is
+    bd = _one_gru(tmp_path, [helper.make_node("Transpose", ["h"], ["h0"], perm=[1, 0, 2])], [_f("h", ["N", 2, 3])],
+                  d=2)
+    assert "node 'g': initial_h comes from graph input 'h': send it per request as h_0 [B, 2, H], as it is (batch " \
+           "first)" in convert(bd).provenance["notes"]
+    # [N, 6] reshaped per direction
+    flat = _one_gru(tmp_path, [helper.make_node("Reshape", ["h", "shape"], ["hr"]),
+                               helper.make_node("Transpose", ["hr"], ["h0"], perm=[1, 0, 2])],
+                    [_f("h", ["N", 6])], d=2)
+    assert "node 'g': initial_h comes from graph input 'h': send it per request as h_0 [B, 2, H], reshaped from " \
+           "[B, 6] to [B, 2, 3]" in convert(flat).provenance["notes"]
+    # only the second layer's rows
+    a, b = _weights("a", "GRU", 4, 3), _weights("b", "GRU", 3, 3, seed=1)
+    nodes = [helper.make_node("GRU", ["X", "aW", "aR", "aB"], ["y1"], hidden_size=3, name="first"),
+             helper.make_node("Squeeze", ["y1", "ax1"], ["y1s"]),
+             helper.make_node("GRU", ["y1s", "bW", "bR", "bB", "", "h"], ["y2"], hidden_size=3, name="second")]
+    path = _save(tmp_path, nodes, a + b + [_i64("ax1", [1])], [_f("X", ["T", "N", 4]), _f("h", [1, "N", 3])],
+                 [_f("y2")], name="rows.onnx")
+    assert "node 'second': initial_h comes from graph input 'h': send it per request as rows 1..1 of h_0 [B, 2, H], " \
+           "as it is (batch first); the other rows are what the other layers start from (zeros where the file " \
+           "gives them none)" in convert(path).provenance["notes"]
+
+
+def test_state_notes_that_could_not_be_checked_say_so(tmp_path):
+    """Verification probe H1/H2/M3: where the file does not run in onnxruntime (layout=1 nodes), lengths cannot be
+    varied (the stack's X is computed, so the probe ran at batch 1) or a state is not a float, a Gather that
+    reverses H or the lengths was still noted as the input itself, with nothing saying it was not checked."""
+    layout1 = _one_gru(tmp_path, [helper.make_node("Gather", ["h", "rev"], ["h0"], axis=2)],
+                       [_f("h", ["N", 1, 3])], layout=1, x_shape=("N", "T", 4))
+    model = convert(layout1)
+    whole = model.provenance["verification"]["whole_file"]
+    assert whole["ran"] is False and whole["state_inputs_unchecked"] == "onnxruntime did not run the file", whole
+    assert "node 'g': initial_h comes from graph input 'h'; send it per request as h_0 (zeros when omitted); not " \
+           "checked on the file (onnxruntime did not run the file): if Gather 'Gather_0' reorder, cut, repeat or " \
+           "round 'h', send the values the node reads instead" in model.provenance["notes"], model.provenance["notes"]
+
+    lengths = _one_gru(tmp_path, [helper.make_node("Slice", ["n", "back", "end", "ax0", "back"], ["lens"])],
+                       [helper.make_tensor_value_info("n", TensorProto.INT32, ["N"])], lens="lens", state="",
+                       before_x=[helper.make_node("Mul", ["X", "two"], ["xin"])])
+    model = convert(lengths)
+    assert "node 'g': sequence_lens comes from graph input 'n' through Slice 'Slice_0'; send it per request as " \
+           "lengths, not checked on the file (the probe could not give 'n' distinct lengths (it ran at batch or " \
+           "time 1))" in " | ".join(model.provenance["notes"]), model.provenance["notes"]
+
+    int_state = _one_gru(tmp_path, [helper.make_node("Cast", ["h"], ["hf"], to=TensorProto.FLOAT)] + [
+        helper.make_node("Gather", ["hf", "rev"], ["h0"], axis=2)],
+        [helper.make_tensor_value_info("h", TensorProto.INT32, [1, "N", 3])],
+        before_x=[helper.make_node("Mul", ["X", "two"], ["xin"])])
+    model = convert(int_state)
+    record = model.provenance["verification"]["whole_file"]
+    assert record["state_inputs_unchecked"] == "'h' is not a float state the probe can vary", record
+    assert any("not checked on the file ('h' is not a float state the probe can vary)" in n
+               for n in model.provenance["notes"]), model.provenance["notes"]
