@@ -21,6 +21,7 @@ import numpy as np
 from .keras_files import KerasFile, KerasLayer
 from .layers import RecurrentLayer
 from .source import SourceRunner
+from .verify import last_line
 
 
 def keras_available() -> bool:
@@ -93,7 +94,7 @@ def _build(keras, path: Path, kfile: KerasFile, chosen: list[KerasLayer], layers
         except (ValueError, TypeError, KeyError, AttributeError, OSError) as exc:
             # custom objects or layers Keras cannot load: rebuild from what the loader read, and say so (the
             # check is then as good as the loader's reading, which it was silently taken for)
-            rebuilt(f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[-1][:300]}")
+            rebuilt(f"{type(exc).__name__}: {last_line(exc)}")
     return _from_weights(keras, chosen, layers)
 
 

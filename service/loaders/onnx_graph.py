@@ -297,6 +297,22 @@ class GraphIndex:
                 return found
         return None
 
+    def value_inputs(self, name: str) -> list[str]:
+        """Every graph input whose *values* flow into ``name`` (Shape cuts the flow), main graph inputs first in
+        their order: :meth:`depends_on_input` names only the first one found."""
+        found, seen, todo = set(), set(), [name]
+        while todo:
+            value = todo.pop()
+            if not value or value in seen or value in self.initializers:
+                continue
+            seen.add(value)
+            if value in self.graph_inputs:
+                found.add(value)
+            elif value in self.producer and self.producer[value][0].op_type != "Shape":
+                todo.extend(self.producer[value][0].input)
+        order = [i.name for i in self.model.graph.input]
+        return sorted(found, key=lambda f: (order.index(f) if f in order else len(order), f))
+
     # ---- data flow -------------------------------------------------------------------------------------------
 
     def trace_input(self, name: str) -> Traced | None:

@@ -130,28 +130,12 @@ def _note_computed(index: GraphIndex, src: str, what: str, served: str, notes: l
     changer = value_op(index, src, set())
     if changer is None:
         return False
-    feeds = _value_inputs(index, src)  # all of them: Where(cond, h, 0) named only 'cond'
+    feeds = index.value_inputs(src)  # all of them: Where(cond, h, 0) named only 'cond'
     named = ", ".join(f"'{f}'" for f in feeds)
     notes.append(f"{what} is computed from graph input{'s' if len(feeds) > 1 else ''} {named} by "
                  f"{changer.op_type} (node '{index.name(changer)}'), which rnnserve does not serve: send the computed "
                  f"value per request as {served}, not {'any of them' if len(feeds) > 1 else named} itself")
     return True
-
-
-def _value_inputs(index: GraphIndex, name: str) -> list[str]:
-    """The graph inputs whose values flow into ``name`` (Shape cuts the flow), in graph input order."""
-    found, seen, todo = set(), set(), [name]
-    while todo:
-        value = todo.pop()
-        if not value or value in seen or value in index.initializers:
-            continue
-        seen.add(value)
-        if value in index.graph_inputs:
-            found.add(value)
-        elif value in index.producer and index.producer[value][0].op_type != "Shape":
-            todo.extend(index.producer[value][0].input)
-    order = [i.name for i in index.model.graph.input]
-    return sorted(found, key=lambda f: (order.index(f) if f in order else len(order), f))
 
 
 def value_op(index: GraphIndex, name: str, seen: set[str]) -> NodeProto | None:

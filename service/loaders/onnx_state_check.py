@@ -70,9 +70,11 @@ def check_state_claims(path: Path, index: GraphIndex, chain: list[NodeProto], cl
         if isinstance(found, str):
             skipped.setdefault(found, []).extend(runnable)
         else:
-            out["state_inputs"] = _judge(index, chain, runnable, *found, guessed, notes, skipped)
+            out["state_inputs"] = _judge(index, chain, runnable, found, guessed, notes, skipped)
     for reason, group in skipped.items():
-        out.update(unchecked_claims(index, group, notes, reason))
+        unchecked_claims(index, group, notes, reason)
+    if skipped:
+        out["state_inputs_unchecked"] = "; ".join(skipped)
     return out
 
 
@@ -103,8 +105,8 @@ def unchecked_claims(index: GraphIndex, claims: list[StateClaim], notes: list[st
 
 
 def _run(path: Path, index: GraphIndex, claims: list[StateClaim], feeds: dict[str, np.ndarray], ort: Any,
-         options: Any) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | str:
-    """(the values the nodes read, the feeds) with random states and distinct lengths fed; or why the file did
+         options: Any) -> dict[str, np.ndarray] | str:
+    """The feeds (random states, distinct lengths) and the values the nodes read, by name; or why the file did
     not run."""
     rng = np.random.default_rng(2468)
     feeds = dict(feeds)
@@ -123,11 +125,11 @@ def _run(path: Path, index: GraphIndex, claims: list[StateClaim], feeds: dict[st
         read = dict(zip(extra, session.run(extra, feeds)))
     except Exception as exc:  # noqa: BLE001 - a copy that does not run leaves the notes unchecked, said so
         return f"onnxruntime did not run the file with its states as outputs: {last_line(exc)}"
-    return {**read, **{name: feeds[name] for name in {c.feed for c in claims}}}, feeds
+    return {**feeds, **read}
 
 
 def _judge(index: GraphIndex, chain: list[NodeProto], claims: list[StateClaim], read: dict[str, np.ndarray],
-           fed_all: dict[str, np.ndarray], guessed: list[str], notes: list[str],
+           guessed: list[str], notes: list[str],
            skipped: dict[str, list[StateClaim]]) -> dict[str, list[str]]:
     """Each (input, slot) group's verdict, its notes rewritten; claims the probe's guessed sizes leave open go to
     ``skipped``."""
@@ -138,8 +140,8 @@ def _judge(index: GraphIndex, chain: list[NodeProto], claims: list[StateClaim], 
     for (feed, slot), group in groups.items():
         label = _LABELS[slot]
         reads = [(c.node, np.asarray(read[c.value])) for c in group]
-        form = _form(fed_all[feed], reads, index)
-        if form is None and feed in guessed and fed_all[feed].size != sum(r.size for _, r in reads):
+        form = _form(read[feed], reads, index)
+        if form is None and feed in guessed and read[feed].size != sum(r.size for _, r in reads):
             # the probe guessed this input's sizes (another batch symbol than X's): a broadcast may be the guess's
             skipped.setdefault(f"the probe guessed the sizes of '{feed}'", []).extend(group)
             continue
@@ -182,7 +184,7 @@ def _as_sent(index: GraphIndex, chain: list[NodeProto], group: list[StateClaim],
     widths = {int(index.attr(n, "hidden_size")) for n in takers}
     rows, where = 0, {}
     for node in takers:
-        d = 2 if _text(index.attr(node, "direction", "forward")) == "bidirectional" else 1
+        d = 2 if index.attr(node, "direction", b"forward") in (b"bidirectional", "bidirectional") else 1
         where[id(node)] = (rows, rows + d)
         rows += d
     mine = [where[id(c.node)] for c in group if id(c.node) in where]
@@ -200,10 +202,6 @@ def _as_sent(index: GraphIndex, chain: list[NodeProto], group: list[StateClaim],
         if claim.note in notes:
             notes[notes.index(claim.note)] = note
         claim.note = note
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _form(fed: np.ndarray, reads: list[tuple[NodeProto, np.ndarray]], index: GraphIndex) -> str | None:
