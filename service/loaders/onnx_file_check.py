@@ -157,15 +157,17 @@ def _from_last_node(index: GraphIndex, last: NodeProto, name: str) -> int | None
     return k if node is last else None
 
 
-def _lengths_inputs(index: GraphIndex, chain: list[NodeProto]) -> set[str]:
-    """Graph inputs that reach a recurrent node's sequence_lens through ops that only pick or reshape (a Gather
-    too: fed 1s, their lengths made the file's answers unlike the converted model's at full length)."""
+def _picked_inputs(index: GraphIndex, chain: list[NodeProto], slots: tuple[int, ...]) -> set[str]:
+    """Graph inputs that reach a recurrent node's input in ``slots`` (4 sequence_lens, 5-6 initial states) through
+    ops that only pick or reshape (a Gather too: lengths fed 1s made the file's answers unlike the converted
+    model's at full length)."""
     found = set()
     for node in chain:
-        if len(node.input) > 4 and node.input[4] and value_op(index, node.input[4], set()) is None:
-            feed = index.depends_on_input(node.input[4])
-            if feed is not None:
-                found.add(feed)
+        for slot in slots:
+            if len(node.input) > slot and node.input[slot] and value_op(index, node.input[slot], set()) is None:
+                feed = index.depends_on_input(node.input[slot])
+                if feed is not None:
+                    found.add(feed)
     return found
 
 
@@ -217,7 +219,10 @@ def _feeds(inputs: list, index: GraphIndex, chain: list[NodeProto], x_name: str 
         x = rng.standard_normal(shape_of(x_meta, (*sizes, input_size))).astype(_FLOATS[x_meta.type])
         feeds[x_meta.name] = x
     x_chosen = x_meta is not None and any(not (isinstance(d, int) and d > 0) for d in x_meta.shape)
-    lengths_inputs = _lengths_inputs(index, chain)
+    lengths_inputs = _picked_inputs(index, chain, (4,)) if x is not None else set()
+    # the converted model is compared at full lengths and zero states: the file's inputs that only carry them to
+    # the nodes get those values in whatever type the file declares (float lengths, integer states)
+    state_inputs = _picked_inputs(index, chain, (5, 6)) - lengths_inputs
     for meta in inputs:
         if meta.name in feeds:
             continue
@@ -228,14 +233,17 @@ def _feeds(inputs: list, index: GraphIndex, chain: list[NodeProto], x_name: str 
         if meta.type not in _FLOATS and meta.type not in _INTS:
             guessed.append(meta.name)  # a type the probe does not make (strings, bfloat16): fed as the file allows
             feeds[meta.name] = np.zeros(shape, object if meta.type == "tensor(string)" else np.float32)
-        elif meta.type in _FLOATS:
-            feeds[meta.name] = np.zeros(shape, _FLOATS[meta.type])  # initial states and the like: zeros
-        elif meta.name in lengths_inputs and x is not None:
+            continue
+        dtype = _FLOATS.get(meta.type) or _INTS[meta.type]
+        if meta.name in lengths_inputs:
+            assert x is not None
             # full lengths: the batch axis is the x axis of the same size, time the other one
             steps = x.shape[1] if shape and shape[0] == x.shape[0] else x.shape[0]
-            feeds[meta.name] = np.full(shape, steps, _INTS[meta.type])
+            feeds[meta.name] = np.full(shape, steps, dtype)
+        elif meta.type in _FLOATS or meta.name in state_inputs:
+            feeds[meta.name] = np.zeros(shape, dtype)  # initial states and the like: zeros
         else:
-            feeds[meta.name] = np.ones(shape, _INTS[meta.type])  # lengths, token ids, flags: 1 is valid
+            feeds[meta.name] = np.ones(shape, dtype)  # token ids, flags: 1 is valid
     return feeds, x, guessed
 
 

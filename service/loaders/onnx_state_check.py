@@ -53,11 +53,11 @@ def check_state_claims(path: Path, index: GraphIndex, chain: list[NodeProto], cl
     runnable = []
     for claim in claims:
         fed = feeds.get(claim.feed)
-        kinds = ("i", "u") if claim.slot == 4 else ("f",)
+        kinds = ("i", "u", "f") if claim.slot == 4 else ("f",)  # lengths declared float are whole numbers too
         if claim.value not in top:
             skipped.setdefault("the node is inside a subgraph", []).append(claim)
         elif fed is None or fed.dtype.kind not in kinds:
-            what = "integer lengths" if claim.slot == 4 else "a float state"
+            what = "lengths" if claim.slot == 4 else "a float state"
             skipped.setdefault(f"'{claim.feed}' is not {what} the probe can vary", []).append(claim)
         elif claim.slot == 4 and (fed.size < 2 or int(fed.max()) < 2):
             skipped.setdefault(f"the probe could not give '{claim.feed}' distinct lengths (it ran at batch or "

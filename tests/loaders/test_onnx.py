@@ -927,6 +927,25 @@ def test_lengths_picked_from_an_input_are_checked_on_the_file(tmp_path, permuted
         assert states == {"as_sent": ["n (sequence_lens)"], "rearranged": []} and not notes, (states, notes)
 
 
+def test_lengths_declared_float_and_states_declared_integer_convert(tmp_path):
+    """Lengths as a float input cast to int, and h as an int input cast to float, are valid files: the whole-file
+    probe fed the float lengths zeros and the int state ones, so the file's answers were unlike the converted
+    model's (compared at full lengths and zero states) and the file was refused."""
+    cast = helper.make_node("Cast", ["lf"], ["lens"], to=TensorProto.INT32)
+    path = _one_gru(tmp_path, [cast], [_f("lf", ["N"])], lens="lens", state="")
+    model = convert(path)
+    whole = model.provenance["verification"]["whole_file"]
+    assert whole["ran"] and whole["compared"] == ["y"], whole
+    assert whole["state_inputs"] == {"as_sent": ["lf (sequence_lens)"], "rearranged": []}, whole
+    cast = helper.make_node("Cast", ["hi"], ["h0"], to=TensorProto.FLOAT)
+    path = _one_gru(tmp_path, [cast], [helper.make_tensor_value_info("hi", TensorProto.INT64, [1, "N", 3])])
+    model = convert(path)
+    whole = model.provenance["verification"]["whole_file"]
+    assert whole["ran"] and whole["compared"] == ["y"], whole
+    assert "not checked on the file ('hi' is not a float state the probe can vary)" in " ".join(
+        model.provenance["notes"]), model.provenance["notes"]
+
+
 def test_a_state_computed_from_several_inputs_names_them_all(tmp_path):
     """initial_h = Where(cond, h, 0): the note named only 'cond' (the first input found), not 'h'."""
     w, r, b = _weights("", "GRU", 4, 3)
