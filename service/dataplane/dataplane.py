@@ -306,6 +306,7 @@ class DataPlane:
             if stream.start:
                 store.close(state, "failed on its first chunk", "error")
         else:
+            state.last_caller = stream.caller
             if not state.ended:
                 state.last_used = time.monotonic()
             self._bound("chunk_steps", served.name, served.label).observe(steps)
@@ -313,12 +314,14 @@ class DataPlane:
                 store.close(state)
         state.turn.give()
 
-    async def end_stream(self, model: str, version: str, parameters: dict[str, Any], why: str) -> None:
-        """End the stream a request's ``parameters`` name, on the version that answered it, with ``why``.
+    async def end_stream(self, model: str, version: str, parameters: dict[str, Any], why: str, caller: int) -> None:
+        """End the stream a request's ``parameters`` name, on the version that answered it, with ``why``, if the
+        last chunk it ran came from ``caller`` (the token the transport sent that chunk with).
 
         A transport calls it when it could not deliver a stream chunk's answer (its call ended first): the
         stream's state has moved past a chunk its client never saw, so a resent chunk would run on the wrong
-        state. Nothing happens for a stateless request or a stream that is not live.
+        state. Nothing happens for a stateless request, a stream that is not live, or a stream the client has
+        restarted (or moved on) from another call since: that one's state is what its client knows.
         """
         try:
             stream = stream_request(parameters)
@@ -326,7 +329,7 @@ class DataPlane:
         except RNNServeError:
             return
         if stream is not None and served.streams is not None:
-            served.streams.end(stream.key, why)
+            served.streams.end(stream.key, why, caller)
 
     def _signature(self, spec: Any) -> ModelSignature:
         """The signature of a loaded model's spec, built once per spec (it is read on every request)."""

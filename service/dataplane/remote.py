@@ -474,8 +474,8 @@ class RemoteDataPlane:
     async def model_statistics(self, name: str = "", version: str = "") -> list[dict]:
         return await self._call("model_statistics", name, version)
 
-    async def end_stream(self, model: str, version: str, parameters: dict[str, Any], why: str) -> None:
-        return await self._call("end_stream", model, version, parameters, why)
+    async def end_stream(self, model: str, version: str, parameters: dict[str, Any], why: str, caller: int) -> None:
+        return await self._call("end_stream", model, version, parameters, why, caller)
 
     async def repository_index(self, ready_only: bool = False) -> list[dict]:
         return await self._call("repository_index", ready_only)

@@ -114,10 +114,10 @@ class ShardedDataPlane:
         finally:
             self._in_flight[k] -= 1
 
-    async def end_stream(self, model: str, version: str, parameters: dict[str, Any], why: str) -> None:
+    async def end_stream(self, model: str, version: str, parameters: dict[str, Any], why: str, caller: int) -> None:
         shard = stream_shard(parameters, len(self.shards))
         if shard is not None:  # the engine process that holds the stream, as for its chunks
-            await self.shards[shard].end_stream(model, version, parameters, why)
+            await self.shards[shard].end_stream(model, version, parameters, why, caller)
 
     async def live(self) -> bool:
         return all(await asyncio.gather(*(shard.live() for shard in self.shards)))

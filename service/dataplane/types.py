@@ -131,7 +131,9 @@ class AnswerLimit:
 
 @dataclass
 class InferRequest:
-    """A decoded inference request; ``answer_limit``: the transport's bound on its answer, if any."""
+    """A decoded inference request; ``answer_limit``: the transport's bound on its answer, if any; ``caller``: the
+    transport's token for the call that sent it, for stream chunks (0: none; see
+    :class:`~service.dataplane.validation.StreamRequest`)."""
 
     model_name: str
     model_version: str = ""
@@ -140,6 +142,7 @@ class InferRequest:
     outputs: list[RequestedOutput] | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
     answer_limit: AnswerLimit | None = None
+    caller: int = 0
 
 
 @dataclass

@@ -36,18 +36,22 @@ def request_deadline(parameters: dict[str, Any]) -> float | None:
 
 @dataclass(frozen=True)
 class StreamRequest:
-    """The stream a request belongs to: its key and whether it starts or ends it."""
+    """The stream a request belongs to: its key and whether it starts or ends it; ``caller``: the transport's
+    token for the call that sent it (0: none), so that a chunk's undelivered answer ends only the stream instance
+    that call moved (see :meth:`service.scheduler.streams.StreamStore.end`)."""
 
     key: str
     start: bool
     end: bool
+    caller: int = 0
 
 
 MAX_SEQUENCE_ID_CHARS = 1024
 
 
-def stream_request(parameters: dict[str, Any]) -> StreamRequest | None:
-    """The request's stream from Triton's sequence_id/start/end parameters (id 0 or "" means none)."""
+def stream_request(parameters: dict[str, Any], caller: int = 0) -> StreamRequest | None:
+    """The request's stream from Triton's sequence_id/start/end parameters (id 0 or "" means none); ``caller``:
+    see :class:`StreamRequest`."""
     seq = parameters.get("sequence_id")
     start, end = (bool_parameter(parameters, n) for n in ("sequence_start", "sequence_end"))
     if seq in (None, 0, ""):
@@ -61,7 +65,7 @@ def stream_request(parameters: dict[str, Any]) -> StreamRequest | None:
         raise InvalidInput(f"parameter 'sequence_id' is a string of {len(seq)} characters; at most "
                            f"{MAX_SEQUENCE_ID_CHARS} (a key that names the stream, not data)")
     key = f"{seq}" if isinstance(seq, int) else f"'{seq}'"
-    return StreamRequest(key, start, end)
+    return StreamRequest(key, start, end, caller)
 
 
 def bool_parameter(parameters: dict[str, Any], name: str, where: str = "") -> bool:

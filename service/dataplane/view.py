@@ -57,7 +57,7 @@ class Prepared:
 def prepare(request: InferRequest, view: ModelView) -> Prepared:
     """Validate ``request`` against ``view`` (InvalidInput or TooLarge, saying what to change)."""
     deadline = request_deadline(request.parameters)
-    stream = stream_request(request.parameters)
+    stream = stream_request(request.parameters, request.caller)
     work = to_work(request, view.signature, view.max_sequence_length, stream)
     view.budget.check(work.sequences, work.steps, view.name)
     check_answer(request, work, view.signature)

@@ -103,6 +103,7 @@ class StreamState:
     turn: Turn = field(default_factory=Turn)
     ended: str = ""  # why the stream ended, "" while live
     running: bool = False  # a chunk is in the scheduler: its batch may still write the slot
+    last_caller: int = 0  # the transport's token of the call whose chunk ran last (see end)
 
 
 class StreamStore:
@@ -196,11 +197,13 @@ class StreamStore:
                     self._metrics.stream_ends.labels(**self._labels, reason=outcome).inc()
         self._gauge()
 
-    def end(self, key: str, why: str) -> None:
-        """End live stream ``key`` (if it is live) with ``why``: its state moved past a chunk whose answer its
-        client never got, so its next chunk must be refused, not run on a state the client does not know."""
+    def end(self, key: str, why: str, caller: int) -> None:
+        """End live stream ``key`` with ``why`` if its last chunk came from ``caller``: its state moved past a chunk
+        whose answer that call never delivered, so its next chunk must be refused, not run on a state the client
+        does not know. A stream the client restarted since (a new instance under the same id), or moved on with
+        from another call, is the client's to keep."""
         state = self._streams.get(key)
-        if state is not None:
+        if state is not None and state.last_caller == caller:
             self.close(state, why, "error")
 
     def settle(self, state: StreamState) -> None:

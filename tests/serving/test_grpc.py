@@ -110,8 +110,8 @@ class FakeDataPlane:
             ],
         )
 
-    async def end_stream(self, model: str, version: str, parameters: dict, why: str) -> None:
-        self.ended_streams.append((model, version, parameters.get("sequence_id"), why))
+    async def end_stream(self, model: str, version: str, parameters: dict, why: str, caller: int) -> None:
+        self.ended_streams.append((model, version, parameters.get("sequence_id"), why, caller))
 
     async def repository_index(self, ready_only: bool = False) -> list[dict]:
         models = [
@@ -615,9 +615,12 @@ def test_a_stream_chunk_answered_but_never_delivered_ends_its_stream(stub, fresh
     time.sleep(0.1)
     # only the answered one: sequence 6's chunk was still running, and a chunk cancelled there ends its
     # stream in the dataplane
+    # under the call's token, which its chunks carried: the stream ends only if that call moved it last
+    (caller,) = {r.caller for r in fresh.requests}
+    assert caller != 0
     assert fresh.ended_streams == [("double", "1", 5, "was ended because the answer to one of its chunks could "
                                     "not be delivered (its ModelStreamInfer call ended first), so its state is "
-                                    "unknown to the client")]
+                                    "unknown to the client", caller)]
 
 
 # -------------------------------------------------------------------- repository

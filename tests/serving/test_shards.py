@@ -152,7 +152,7 @@ async def test_end_stream_reaches_the_engine_process_that_holds_the_stream(two_e
     assert {stream_shard({"sequence_id": i}, 2) for i in ids} == {0, 1}
     for i in ids:
         await sharded.infer(_request(x, sequence_id=i, sequence_start=True))
-        await sharded.end_stream("lstm", "1", {"sequence_id": i}, "was ended for the test")
+        await sharded.end_stream("lstm", "1", {"sequence_id": i}, "was ended for the test", 0)
         with pytest.raises(NotFound, match=f"stream {i} .* it was ended for the test"):
             await sharded.infer(_request(x, sequence_id=i))
     assert sum(metric_value(p, "rnnserve_stream_ends_total", reason="error") for p in planes) == len(ids)

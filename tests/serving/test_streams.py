@@ -153,7 +153,10 @@ async def test_end_stream_ends_a_live_stream_with_its_reason_and_ignores_the_res
         pool = dataplane.registry.serving("lstm").streams.pool
         assert (await client.post("/v2/models/lstm/infer", json=_chunk(x, 1, True))).status_code == 200
         assert (await client.post("/v2/models/lstm/infer", json=_chunk(x, "b", True))).status_code == 200
-        await dataplane.end_stream("lstm", "1", {"sequence_id": 1}, "was ended for the test")
+        await dataplane.end_stream("lstm", "1", {"sequence_id": 1}, "was ended for the test", 7)
+        # the last chunk did not come from that call (7): nothing happens
+        assert (await client.post("/v2/models/lstm/infer", json=_chunk(x, 1))).status_code == 200
+        await dataplane.end_stream("lstm", "1", {"sequence_id": 1}, "was ended for the test", 0)
         r = await client.post("/v2/models/lstm/infer", json=_chunk(x, 1))
         assert r.status_code == 404 and "stream 1 of model 'lstm' is not live: it was ended for the test" \
             in r.json()["error"]
@@ -161,9 +164,31 @@ async def test_end_stream_ends_a_live_stream_with_its_reason_and_ignores_the_res
         # not live, stateless, unknown model or version, a bad id: nothing happens, nothing raises
         for args in (("lstm", "1", {"sequence_id": 1}), ("lstm", "1", {}), ("nope", "1", {"sequence_id": 1}),
                      ("lstm", "7", {"sequence_id": "b"}), ("lstm", "1", {"sequence_id": True})):
-            await dataplane.end_stream(*args, "x")
+            await dataplane.end_stream(*args, "x", 0)
         assert (await client.post("/v2/models/lstm/infer", json=_chunk(x, "b", end=True))).status_code == 200
         assert pool.in_use == 0
+
+
+async def test_end_stream_leaves_a_stream_restarted_from_another_call_alone(repo):
+    # A gRPC call's chunk of stream 3 ran but its answer was never delivered; the client restarted stream 3 on
+    # another call, and then the first call's cleanup ended the new stream (a verification probe found it).
+    x = np.ones((1, 4, 4), np.float32)
+    async with rest_client(repo) as (client, dataplane):
+        first = _request(x, 3, 0, 2, sequence_start=True)
+        first.caller = 11  # the call that will not deliver its answer
+        await dataplane.infer(first)
+        restart = _request(x, 3, 0, 2, sequence_start=True)
+        restart.caller = 12
+        alone = await dataplane.infer(restart)
+        await dataplane.end_stream("lstm", "1", {"sequence_id": 3}, "was ended for the test", 11)
+        later = _request(x, 3, 2, 4)
+        later.caller = 12
+        await dataplane.infer(later)  # the restarted stream goes on
+        # and the call that moved it last can still end it
+        await dataplane.end_stream("lstm", "1", {"sequence_id": 3}, "was ended for the test", 12)
+        r = await client.post("/v2/models/lstm/infer", json=_chunk(x, 3))
+        assert r.status_code == 404 and "it was ended for the test" in r.json()["error"]
+        assert alone.outputs
 
 
 async def test_a_chunk_reaching_a_reload_s_new_copy_while_the_old_drains_is_told_its_stream_ended(repo):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from typing import Any, AsyncIterator
 
 from google.protobuf import json_format
@@ -68,11 +69,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         for reader in list(self._readers):
             reader.cancel()
 
-    async def _answer(self, request: pb.ModelInferRequest, wrapper: int = 0) -> pb.ModelInferResponse:
+    async def _answer(self, request: pb.ModelInferRequest, wrapper: int = 0, caller: int = 0) -> pb.ModelInferResponse:
         """The ModelInferResponse to ``request``, refused with a message that says what to change when it is
         over the message limit (grpc would fail the send with only the two sizes). ``wrapper``: bytes the
-        message it travels in adds (a stream's)."""
+        message it travels in adds (a stream's); ``caller``: the ModelStreamInfer call's token (0: unary)."""
         decoded = decode_request(request)
+        decoded.caller = caller
         decoded.answer_limit = self._answer_limit  # refused before it runs: tensors, echoed texts, framing
         limit = None if self._max_message_bytes is None else self._max_message_bytes - wrapper
         response = encode_response(await self._dataplane.infer(decoded))
@@ -147,6 +149,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         (same model and ``sequence_id``) run one after another, in stream order.
         """
         in_order: asyncio.Queue[tuple[asyncio.Task, pb.ModelInferRequest] | None] = asyncio.Queue()
+        # this call's chunks run under it, so that an answer it could not deliver ends only the stream it moved
+        caller = secrets.randbits(63) | 1
         window = asyncio.Semaphore(self._stream_window)
         last_of_sequence: dict[tuple[str, Any], asyncio.Task] = {}
 
@@ -159,7 +163,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 async for request in request_iterator:
                     await window.acquire()
                     key = _sequence_key(request)
-                    task = asyncio.create_task(self._stream_one(request, last_of_sequence.get(key)))
+                    task = asyncio.create_task(self._stream_one(request, last_of_sequence.get(key), caller))
                     if key is not None:
                         last_of_sequence[key] = task
                         task.add_done_callback(lambda t, k=key: forget(k, t))
@@ -197,13 +201,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 elif not task.cancelled() and not task.result().error_message and _sequence_key(request):
                     # answered, and its stream moved on, but the answer waited behind an earlier request and the
                     # call ended first: the client never saw it, so the stream must not go on from there
-                    self._end_undelivered(request, task.result().infer_response.model_version)
+                    self._end_undelivered(request, task.result().infer_response.model_version, caller)
 
-    def _end_undelivered(self, request: pb.ModelInferRequest, version: str) -> None:
+    def _end_undelivered(self, request: pb.ModelInferRequest, version: str, caller: int) -> None:
         why = ("was ended because the answer to one of its chunks could not be delivered (its ModelStreamInfer call "
                "ended first), so its state is unknown to the client")
         ending = asyncio.ensure_future(self._dataplane.end_stream(
-            request.model_name, version, decode_parameters(request.parameters), why))
+            request.model_name, version, decode_parameters(request.parameters), why, caller))
         self._endings.add(ending)  # held until done: the call's generator is gone by then
         ending.add_done_callback(self._ended)
 
@@ -212,7 +216,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if not ending.cancelled() and ending.exception() is not None:
             log.warning("ending a stream whose answer was not delivered failed: %s", ending.exception())
 
-    async def _stream_one(self, request: pb.ModelInferRequest, after: asyncio.Task | None):
+    async def _stream_one(self, request: pb.ModelInferRequest, after: asyncio.Task | None, caller: int):
         if after is not None:
             await asyncio.wait([after])
         final = request.parameters.get("triton_enable_empty_final_response")
@@ -223,7 +227,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 got = f"{kind.removesuffix('_param')} {getattr(final, kind)!r}" if kind else "no value"
                 raise InvalidInput(f"parameter 'triton_enable_empty_final_response' must be true or false "
                                    f"(bool_param), got {got}")
-            infer_response = await self._answer(request, _STREAM_WRAPPER_BYTES)
+            infer_response = await self._answer(request, _STREAM_WRAPPER_BYTES, caller)
         except Exception as exc:
             _, message = grpc_status(exc)
             echoed = sum(len(text.encode()) for text in (request.id, request.model_name, request.model_version))
