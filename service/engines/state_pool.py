@@ -71,6 +71,11 @@ class StatePool:
         return self._xp.zeros((rows, slots, width), self._dtype)
 
     @property
+    def free(self) -> int:
+        """Slots :meth:`acquire` can still hand out."""
+        return len(self._free) + self.max_slots - self._top
+
+    @property
     def in_use(self) -> int:
         """Slots held by live streams."""
         return self._top - len(self._free)

@@ -103,6 +103,7 @@ class StreamState:
     turn: Turn = field(default_factory=Turn)
     ended: str = ""  # why the stream ended, "" while live
     running: bool = False  # a chunk is in the scheduler: its batch may still write the slot
+    held: bool = False  # ended while a chunk ran: counted in its store's held slots until settled
     last_caller: int = 0  # the transport's token of the call whose chunk ran last (see end)
 
 
@@ -121,6 +122,7 @@ class StreamStore:
         self._owns_gauges = True  # see release_gauges
         self._labels = {"model": model, "version": version}
         self._streams: dict[str, StreamState] = {}
+        self._held: dict[str, int] = {}  # ended streams whose chunk still runs (their slot held), by key
         self._ended: OrderedDict[str, str] = OrderedDict()
         self._last_sweep = 0.0
         self._sweeper: asyncio.Task | None = None
@@ -146,6 +148,7 @@ class StreamStore:
         self._sweep(now)
         state = self._streams.get(key)
         if start:
+            self._check_restart(key, state)
             if state is not None:
                 # As Triton: the live stream ends early and this chunk starts a new one (a client that restarts
                 # its sequence under the same id, after a crash or a reconnect, is not locked out until expiry);
@@ -160,7 +163,11 @@ class StreamStore:
                 raise Unavailable(f"model '{self.model}' has {len(self._streams)} live streams (max_streams "
                                   f"{self.max_streams}, which holds in each engine process); end finished streams "
                                   f"with sequence_end or retry later")
-            state = self._streams[key] = StreamState(key, self.pool.acquire(), last_used=now)
+            try:
+                slot = self.pool.acquire()
+            except Unavailable:
+                raise Unavailable(self._slots_taken()) from None
+            state = self._streams[key] = StreamState(key, slot, last_used=now)
             self._ended.pop(key, None)
             if self._metrics is not None:
                 self._metrics.stream_starts.labels(**self._labels).inc()
@@ -176,6 +183,25 @@ class StreamStore:
         state.last_used = now
         return state
 
+    def _check_restart(self, key: str, live: StreamState | None) -> None:
+        """Unavailable, with the live stream left as it is, where a sequence_start for ``key`` would hold one more
+        state slot for a chunk that is already moot: each restart while the earlier instance's chunk is still
+        queued keeps that instance's slot until the chunk has run, so a client restarting one id in a loop took
+        every slot of the model (and lost its live stream to the refusal)."""
+        if self._held.get(key):
+            raise Unavailable(f"stream {key} of model '{self.model}' was restarted while a chunk of an earlier, "
+                              f"already restarted instance of it is still queued or running: wait for the answers "
+                              f"to the chunks you sent before restarting it again (sequence_start)")
+        if live is not None and live.running and not self.pool.free:
+            raise Unavailable(self._slots_taken())
+
+    def _slots_taken(self) -> str:
+        held = sum(self._held.values())
+        why = (f" ({held} of them held by restarted or ended streams until their queued chunks have run)"
+               if held else "")
+        return (f"all {self.pool.max_slots} stream state slots of model '{self.model}' are in use{why}; end "
+                f"finished streams with sequence_end, retry later, or raise max_streams")
+
     def check_live(self, state: StreamState) -> None:
         """NotFound when ``state`` ended while a chunk waited for it (an expiry cannot hit a waited-on stream)."""
         if state.ended:
@@ -187,6 +213,9 @@ class StreamStore:
             return
         state.ended = why
         self.settle(state)
+        if state.slot >= 0:  # its chunk runs on: the slot stays held until it settles
+            state.held = True
+            self._held[state.key] = self._held.get(state.key, 0) + 1
         if self._streams.get(state.key) is state:
             del self._streams[state.key]
             self._remember(state.key, why)
@@ -211,6 +240,11 @@ class StreamStore:
         if state.ended and not state.running and state.slot >= 0:
             self.pool.release(state.slot)
             state.slot = -1
+            if state.held:
+                state.held = False
+                left = self._held.pop(state.key) - 1
+                if left:
+                    self._held[state.key] = left
 
     def clear(self, why: str) -> None:
         """End every stream (unload or reload); their next chunk gets NotFound with ``why``."""

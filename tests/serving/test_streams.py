@@ -10,6 +10,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service import create_engine
 from service.dataplane import InferRequest, InferTensor
+from service.engines.state_pool import StatePool
+from service.errors import Unavailable
+from service.scheduler.streams import StreamStore
 from service.repository import load_model
 from serving_support import metric_value, rest_client, write_config
 
@@ -189,6 +192,39 @@ async def test_end_stream_leaves_a_stream_restarted_from_another_call_alone(repo
         r = await client.post("/v2/models/lstm/infer", json=_chunk(x, 3))
         assert r.status_code == 404 and "it was ended for the test" in r.json()["error"]
         assert alone.outputs
+
+
+async def test_restarting_one_id_while_its_chunks_are_queued_holds_at_most_one_more_slot(repo):
+    # Each sequence_start for a live id whose chunk was still queued kept the old instance's slot until that chunk
+    # ran: one id restarted in a loop took every slot of the model, refused other clients' new streams with "end
+    # finished streams", and lost its own live stream to the refusal (a verification probe found it).
+    spec = load_model(repo / "lstm" / "1").spec
+    store = StreamStore("lstm", "1", 4, 60.0, StatePool(spec, np, np.float32, max_slots=8))
+    first = store.open("7", start=True)
+    first.running = True  # its chunk is queued
+    second = store.open("7", start=True)  # a restart: the first instance keeps its slot while its chunk runs
+    second.running = True
+    assert first.ended and first.slot >= 0 and store.pool.in_use == 2
+    for _ in range(3):
+        with pytest.raises(Unavailable, match="stream 7 of model 'lstm' was restarted while a chunk of an earlier, "
+                                              "already restarted instance of it is still queued or running"):
+            store.open("7", start=True)
+    assert not second.ended and store.open("7", start=False) is second  # the live stream is left alone
+    assert store.pool.in_use == 2
+    first.running = False
+    store.settle(first)  # its chunk ran: the slot comes back, and the id may restart again
+    third = store.open("7", start=True)
+    assert second.ended and not third.ended and store.pool.in_use == 2
+
+
+async def test_a_restart_that_finds_no_free_slot_keeps_the_live_stream(repo):
+    spec = load_model(repo / "lstm" / "1").spec
+    store = StreamStore("lstm", "1", 2, 60.0, StatePool(spec, np, np.float32, max_slots=2))
+    a, b = store.open("a", start=True), store.open("b", start=True)
+    a.running = True
+    with pytest.raises(Unavailable, match="all 2 stream state slots of model 'lstm' are in use"):
+        store.open("a", start=True)
+    assert not a.ended and store.open("a", start=False) is a and not b.ended
 
 
 async def test_a_chunk_reaching_a_reload_s_new_copy_while_the_old_drains_is_told_its_stream_ended(repo):
