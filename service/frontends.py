@@ -28,7 +28,7 @@ from typing import Any
 from . import eventloop
 from .app import SharedHTTP, Transports, announce, install_stop_handlers, remove_stop_handlers
 from .children import run_child, start_beating, start_children, stop_children, watch_children
-from .dataplane.remote import RemoteDataPlane
+from .dataplane.remote import WAITING_REPORT_S, RemoteDataPlane
 from .dataplane.shards import ShardedDataPlane
 from .engine_processes import EngineHost, engine_socket, run_engine_process
 from .heap import freeze_heap
@@ -39,7 +39,6 @@ from .settings import ServeSettings
 from .transports.rest.balanced_accept import ConnectionTable, shared_listener
 
 log = logging.getLogger("rnnserve.frontends")
-WAITING_REPORT_S = 0.25  # how stale rnnserve_frontend_queue_depth may be; a report costs the engine process ~µs
 
 
 def run_frontend(settings: dict[str, Any], socket_paths: list[str], http_share: SharedHTTP | None,

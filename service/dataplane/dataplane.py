@@ -209,6 +209,9 @@ class DataPlane:
         if not self._serves(model, version):
             return  # a report (or a lost front-end's reset) after the version stopped: don't bring its series back
         self.metrics.frontend_queue_depth.labels(model=model, version=version).set(requests)
+        streams = self.registry.version(model, version).streams
+        if streams is not None:
+            streams.frontends_waiting = requests
 
     def _serves(self, model: str, version: str) -> bool:
         """Whether ``model``/``version`` is loaded (has a scheduler), as its per-version gauges are."""

@@ -52,6 +52,10 @@ from .view import ModelView, Prepared, prepare, respond
 
 log = logging.getLogger("rnnserve.dataplane.remote")
 _LENGTH = struct.Struct("<Q")
+# How often a front-end reports the requests waiting in its lanes (when the counts changed): how stale
+# rnnserve_frontend_queue_depth may be, and what streams' idle expiry allows for (see DataPlaneServer); a report
+# costs the engine process ~µs.
+WAITING_REPORT_S = 0.25
 ASYNC_METHODS = frozenset({"infer", "load_model", "unload_model", "live", "ready", "server_metadata", "model_metadata",
                            "model_ready", "repository_index", "render_metrics", "model_config", "model_statistics",
                            "end_stream"})
@@ -165,6 +169,11 @@ class DataPlaneServer:
     def __init__(self, dataplane: Any, path: str) -> None:
         self.dataplane = dataplane
         self.path = path
+        registry = getattr(dataplane, "registry", None)
+        if registry is not None:
+            # A stream's chunk can wait in a front-end's lane, unseen here, until its next report: streams must
+            # not expire in that time (set before the models load, so every stream store gets it).
+            registry.stream_expiry_grace_s = 2 * WAITING_REPORT_S
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task] = set()
         self._calls: dict[tuple[int, int], Any] = {}  # (connection, call id) -> its work, until answered

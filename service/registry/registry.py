@@ -135,6 +135,9 @@ class ModelRegistry:
         self._had_models = False  # it found folders named as models
         self._waiting_for_a_model = False  # it found some and loaded none: not ready until one loads
         self._started = False
+        # seconds an idle stream outlives its stream_idle_timeout_s: set where front-end processes hold chunks
+        # this process has not seen yet (see StreamStore)
+        self.stream_expiry_grace_s = 0.0
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -424,7 +427,7 @@ class ModelRegistry:
                                  # twice max_streams: a stream that ended keeps its slot while its chunks run, so
                                  # a restart meanwhile (or a new stream) finds one; the store holds live streams to
                                  # max_streams (a restart was refused, and its live stream ended all the same)
-                                 engine.state_pool(2 * cfg.max_streams), self.metrics)
+                                 engine.state_pool(2 * cfg.max_streams), self.metrics, self.stream_expiry_grace_s)
         sv.streams.start()
         sv.state = ModelState.READY
         elapsed = time.perf_counter() - start

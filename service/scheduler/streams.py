@@ -32,7 +32,10 @@ iterations in the engine process, which are long under load (bench/engine_proces
 was within the hosts' spread).
 
 A stream with no chunk for ``idle_timeout_s`` is dropped with its state by a sweeper
-task (and on every open), and counted as an expiration.
+task (and on every open), and counted as an expiration. With front-end processes a chunk
+can wait in a front-end, unseen by the engine process, while its stream's time runs out
+there: no stream expires while the front-ends report requests of its model waiting, and
+an idle stream outlives its timeout by ``expiry_grace_s`` (twice the reports' period).
 """
 from __future__ import annotations
 
@@ -111,13 +114,15 @@ class StreamStore:
     """Live streams of one model version."""
 
     def __init__(self, model: str, version: str, max_streams: int, idle_timeout_s: float,
-                 pool: StatePool, metrics: ServerMetrics | None = None) -> None:
+                 pool: StatePool, metrics: ServerMetrics | None = None, expiry_grace_s: float = 0.0) -> None:
         self.model = model
         self.pool = pool
         self.version = version
         self.max_streams = max_streams
         self.idle_timeout_s = idle_timeout_s
         self.waiting_chunks = 0  # chunks waiting for their stream's turn (service.dataplane bounds them)
+        self.frontends_waiting = 0  # requests of this version waiting in front-end processes, as they last reported
+        self.expiry_grace_s = expiry_grace_s
         self._metrics = metrics
         self._owns_gauges = True  # see release_gauges
         self._labels = {"model": model, "version": version}
@@ -274,7 +279,10 @@ class StreamStore:
         if not force and now - self._last_sweep < min(1.0, self.idle_timeout_s / 4):
             return
         self._last_sweep = now
-        idle = [s for s in self._streams.values() if now - s.last_used > self.idle_timeout_s and not s.turn.busy]
+        if self.frontends_waiting:
+            return  # one of them may be the chunk a stream waits for
+        limit = self.idle_timeout_s + self.expiry_grace_s
+        idle = [s for s in self._streams.values() if now - s.last_used > limit and not s.turn.busy]
         for state in idle:
             self.close(state, f"expired after {self.idle_timeout_s:g}s without a chunk (stream_idle_timeout_s)",
                        "expired")

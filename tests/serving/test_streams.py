@@ -227,6 +227,33 @@ async def test_a_restart_that_finds_no_free_slot_keeps_the_live_stream(repo):
     assert not a.ended and store.open("a", start=False) is a and not b.ended
 
 
+async def test_no_stream_expires_while_front_ends_hold_requests_of_its_model(repo):
+    # With --frontends a chunk sent in time waited in a front-end's lane while the engine process was busy, and
+    # its stream had expired when it arrived (a verification probe found it).
+    spec = load_model(repo / "lstm" / "1").spec
+    store = StreamStore("lstm", "1", 4, 0.2, StatePool(spec, np, np.float32, max_slots=8), expiry_grace_s=0.5)
+    live = store.open("7", start=True)
+    now = live.last_used
+    store._sweep(now + 0.5, force=True)  # past the timeout, within the grace: the chunk may still be on its way
+    assert not live.ended
+    store.frontends_waiting = 3
+    store._sweep(now + 60, force=True)  # requests wait in the front-ends: any of them may be its next chunk
+    assert not live.ended and store.open("7", start=False) is live
+    store.frontends_waiting = 0
+    store._sweep(live.last_used + 0.8, force=True)
+    assert live.ended.startswith("expired after 0.2s")
+
+
+async def test_front_end_reports_reach_the_stream_store_and_front_end_layouts_get_the_grace(repo, tmp_path):
+    from service.dataplane.remote import WAITING_REPORT_S, DataPlaneServer
+    async with rest_client(repo) as (_, dataplane):
+        assert dataplane.registry.stream_expiry_grace_s == 0  # one process: no chunk waits unseen
+        DataPlaneServer(dataplane, str(tmp_path / "engine.sock"))
+        assert dataplane.registry.stream_expiry_grace_s == 2 * WAITING_REPORT_S
+        dataplane.set_frontend_waiting("lstm", "1", 5)
+        assert dataplane.registry.serving("lstm").streams.frontends_waiting == 5
+
+
 async def test_a_chunk_reaching_a_reload_s_new_copy_while_the_old_drains_is_told_its_stream_ended(repo):
     # the new copy serves at once while the old one drains; a live stream's chunk then read "never started"
     x = np.zeros((1, 2, 4), np.float32)
