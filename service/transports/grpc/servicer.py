@@ -175,10 +175,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self._readers.add(reader)
         if self._draining:  # opened while the server stops: no request is read
             reader.cancel()
+        answered = 0
         try:
             while (item := await in_order.get()) is not None:
                 response = await item[0]
                 window.release()
+                answered += 1
                 yield response
             try:
                 await reader  # a failure to read the stream ends the call with its status
@@ -186,8 +188,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 current = asyncio.current_task()
                 if not self._draining or (current is not None and current.cancelling()):
                     raise
-                raise Unavailable("the server is stopping: this ModelStreamInfer call ends here, every request it "
-                                  "sent answered; send the next ones to another replica") from None
+                # a request read while the window was full is dropped unrun: the count tells the client where to
+                # go on (answers come in request order)
+                raise Unavailable(f"the server is stopping: this ModelStreamInfer call ends here, after answering "
+                                  f"the first {answered} request(s) it sent, in order; later ones were not run: send "
+                                  f"them to another replica") from None
         finally:
             self._readers.discard(reader)
             reader.cancel()
