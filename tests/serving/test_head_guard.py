@@ -127,3 +127,25 @@ def test_upgrade_requests_on_end_log_once(server):
     time.sleep(0.5)  # the lines are read from the server's output on a thread
     assert sum("WebSocket library" in line for line in lines) <= 1, [l for l in lines if "WebSocket" in l][:5]
     assert sum("Unsupported upgrade request" in line for line in lines) <= 1
+
+
+def test_requests_sent_whole_before_a_half_close_are_answered(server):
+    # shutdown(SHUT_WR) after the request, as `nc -N` and some scripts do: the answer was never written (asyncio
+    # closed the socket at the client's EOF), though the request ran and was counted a success.
+    _, addr, _ = server
+    body = b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 2, 4], "data": [0, 1, 2, 3, 4, 5, 6, 7]}]}'
+    infer = b"POST /v2/models/lstm/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    for raw, count in ((infer, 1), (infer + b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", 2)):  # two pipelined
+        with socket.create_connection(addr) as sock:
+            sock.sendall(raw)
+            sock.shutdown(socket.SHUT_WR)
+            answer = _read_all(sock)  # and the server closes once it has answered
+        assert answer.count(b"HTTP/1.1 200 OK") == count, answer[:300]
+        assert b'"name":"output"' in answer
+    # half a body, then EOF: nothing to answer, closed at once rather than held to the body timeout
+    with socket.create_connection(addr) as sock:
+        sock.sendall(infer[:-10])
+        sock.shutdown(socket.SHUT_WR)
+        started = time.monotonic()
+        answer = _read_all(sock)
+    assert time.monotonic() - started < 0.5 and not answer.startswith(b"HTTP/1.1 200"), answer[:200]

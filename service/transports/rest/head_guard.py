@@ -103,6 +103,17 @@ def head_guard(head_timeout_s: float, max_connections: int) -> type[HttpToolsPro
                     self.transport.write(_TOO_LARGE)
                     self.transport.close()
 
+        def eof_received(self) -> bool | None:
+            # The client has sent all it will (shutdown(SHUT_WR), as `nc -N` and some scripts do) and still reads:
+            # the requests it sent whole are answered, then the connection closes. uvicorn returned None here, so
+            # asyncio closed the socket at once and a request that had been run lost its answer.
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete or cycle.more_body:
+                return None  # nothing to answer, or a body that will never end: close now
+            last = self.pipeline[0][0] if self.pipeline else cycle  # pipelined requests are answered in order
+            last.keep_alive = False
+            return True
+
         def send_400_response(self, msg: str) -> None:
             # uvicorn's own answer is plain text; every other error of the server is {"error": ...}
             self.transport.write(_MALFORMED)
