@@ -149,3 +149,34 @@ def test_requests_sent_whole_before_a_half_close_are_answered(server):
         started = time.monotonic()
         answer = _read_all(sock)
     assert time.monotonic() - started < 0.5 and not answer.startswith(b"HTTP/1.1 200"), answer[:200]
+
+
+def test_a_request_asking_to_switch_protocols_is_served_as_http_1_1(server):
+    # `curl --http2` over plain HTTP asks for h2c on every request; the parser stopped at the head and took the
+    # body for the new protocol's bytes, so the request ran with an empty body (400 "request body is empty").
+    http_url, addr, _ = server
+    data = list(range(8))
+    body = ('{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 2, 4], "data": %s}]}' % data).encode()
+    plain = httpx.post(f"{http_url}/v2/models/lstm/infer", content=body, timeout=10)
+    assert plain.status_code == 200
+    head = (b"POST /v2/models/lstm/infer HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+            b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\nContent-Length: %d\r\n\r\n" % len(body))
+    with socket.create_connection(addr) as sock:
+        sock.sendall(head + body[:20])  # the body in two reads, then a plain request on the same connection
+        time.sleep(0.05)
+        sock.sendall(body[20:] + b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.shutdown(socket.SHUT_WR)
+        answer = _read_all(sock)
+    first, second = answer.split(b"HTTP/1.1 200 OK")[1:]
+    assert first.split(b"\r\n\r\n", 1)[1] == plain.content and second.endswith(b'{"ready":true}'), answer[:500]
+    with socket.create_connection(addr) as sock:
+        sock.sendall(head.replace(b"Content-Length: %d" % len(body), b"Transfer-Encoding: chunked") + b"0\r\n\r\n")
+        answer = _read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"served as HTTP/1.1 only with a Content-Length body" in answer
+    # a read of many pipelined upgrade requests, each with a body: every one answered, in order
+    many = head + body
+    with socket.create_connection(addr) as sock:
+        sock.sendall(many * 300)
+        sock.shutdown(socket.SHUT_WR)
+        answer = _read_all(sock, 30)
+    assert answer.count(b"HTTP/1.1 200 OK") == 300 and answer.count(plain.content) == 300

@@ -12,7 +12,12 @@ and waited held their file descriptors until none was left, for gRPC too. So her
 - at most ``max_connections`` HTTP connections are open at once (``--max-http-connections``);
   one more gets 503 and is closed at once, so its descriptor is free again;
 - a request the parser cannot read gets a JSON 400, as every other error, not uvicorn's text,
-  and uvicorn's warning for it is logged at most once every 10 s.
+  and uvicorn's warning for it is logged at most once every 10 s;
+- a request asking to switch protocols (``Connection: Upgrade``; ``curl --http2`` asks for h2c on
+  every plain-HTTP request) is served as HTTP/1.1, as RFC 9110 section 7.8 lets a server do. The
+  parser stops at such a request's head and takes what follows for the new protocol's bytes, so
+  uvicorn ran the request with an empty body: its Content-Length bytes are now its body, and the
+  parser goes on after them.
 
 Counting is per chunk read, after the parser has seen it: a chunk is counted when the head
 was already incomplete before it and still is after it, so a body that arrives with its head is
@@ -28,6 +33,7 @@ import logging
 import resource
 from typing import Any
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ...log_limit import ThrottleFilter
@@ -49,6 +55,10 @@ _MALFORMED = _answer(400, "Bad Request",
 _TOO_LARGE = _answer(431, "Request Header Fields Too Large",
                      f"the request line and headers take more than {MAX_HEAD_BYTES} bytes; send fewer or shorter "
                      f"headers (tensors go in the body)")
+_UPGRADE_CHUNKED = _answer(400, "Bad Request",
+                           "a request asking to switch protocols (Connection: Upgrade) is served as HTTP/1.1 only with "
+                           "a Content-Length body; send it with Content-Length, or without the Upgrade header (curl: "
+                           "leave out --http2)")
 
 
 def http_connection_cap(setting: int) -> int:
@@ -80,6 +90,7 @@ def head_guard(head_timeout_s: float, max_connections: int) -> type[HttpToolsPro
     class HeadGuard(HttpToolsProtocol):
         _head_bytes: int | None = 0   # bytes of the head being read; None once it is whole
         _head_timer: asyncio.TimerHandle | None = None
+        _owed: int = 0  # body bytes still to come for a request whose Upgrade was ignored (the parser stopped)
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -94,14 +105,34 @@ def head_guard(head_timeout_s: float, max_connections: int) -> type[HttpToolsPro
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
+            while data:  # a loop, not recursion: a read may hold a thousand pipelined upgrade requests
+                data = self._take_body(data) if self._owed else self._parse(data)
+
+        def _parse(self, data: bytes) -> bytes:
+            """Feed ``data`` to the parser (uvicorn's data_received, with the limits); the bytes after the head
+            of a request asking to switch protocols, which the parser left unread."""
             reading_head = self._head_bytes is not None
-            super().data_received(data)
+            self._unset_keepalive_if_required()
+            rest = b""
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError:
+                self.logger.warning("Invalid HTTP request received.")
+                self.send_400_response("Invalid HTTP request received.")
+                return b""
+            except httptools.HttpParserUpgrade as stop:
+                if self._should_upgrade():  # a websocket, were a library for it installed
+                    self.handle_websocket_upgrade()
+                    return b""
+                data, rest = data[:stop.args[0]], self._serve_without_upgrade(data[stop.args[0]:])
             if reading_head and self._head_bytes is not None and self.transport is not None:
                 self._head_bytes += len(data)
                 if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
                     self._stop_head_timer()
                     self.transport.write(_TOO_LARGE)
                     self.transport.close()
+                    return b""
+            return rest
 
         def eof_received(self) -> bool | None:
             # The client has sent all it will (shutdown(SHUT_WR), as `nc -N` and some scripts do) and still reads:
@@ -113,6 +144,34 @@ def head_guard(head_timeout_s: float, max_connections: int) -> type[HttpToolsPro
             last = self.pipeline[0][0] if self.pipeline else cycle  # pipelined requests are answered in order
             last.keep_alive = False
             return True
+
+        def _serve_without_upgrade(self, rest: bytes) -> bytes:
+            """The parser stopped after the head of a request asking to switch protocols (and ended its body
+            there): serve it as HTTP/1.1 with its Content-Length bytes from ``rest`` on as its body. Returns
+            ``rest``, for its body and then the parser (resumed by httptools), or b"" where it closed."""
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete or self.transport.is_closing():
+                return b""
+            if any(k == b"transfer-encoding" for k, _ in self.headers):
+                self.transport.write(_UPGRADE_CHUNKED)  # its length unknown, the parser's framing gone
+                self.transport.close()
+                return b""
+            length = next((v for k, v in self.headers if k == b"content-length"), b"0")
+            self._owed = int(length) if length.isdigit() else 0
+            cycle.more_body = self._owed > 0
+            return rest
+
+        def _take_body(self, data: bytes) -> bytes:
+            """Give the request whose upgrade was ignored the body bytes it is owed from ``data``; the rest (the
+            next request)."""
+            part = data[:self._owed]
+            self._owed -= len(part)
+            cycle = self.cycle
+            cycle.body += part
+            if not self._owed:
+                cycle.more_body = False
+            cycle.message_event.set()
+            return data[len(part):]
 
         def send_400_response(self, msg: str) -> None:
             # uvicorn's own answer is plain text; every other error of the server is {"error": ...}
