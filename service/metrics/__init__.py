@@ -107,7 +107,8 @@ class ServerMetrics:
             "rnnserve_stream_starts", "Stateful streams started (a chunk with sequence_start).", MV, registry=r)
         self.stream_ends = Counter(
             "rnnserve_stream_ends", "Stateful streams ended, by reason: end (sequence_end), error (their first "
-            "chunk failed), unload (the model was unloaded or reloaded), restart (a second sequence_start while "
+            "chunk failed, or a chunk's client went away before its answer: cancelled, disconnected, or its gRPC "
+            "stream ended before the answer was delivered), unload (the model was unloaded or reloaded), restart (a second sequence_start while "
             "live).", MV + ("reason",), registry=r)
         self.stream_expirations = Counter(
             "rnnserve_stream_expirations", "Stateful streams dropped after stream_idle_timeout_s without a chunk.",

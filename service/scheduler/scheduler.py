@@ -220,8 +220,9 @@ class Scheduler:
     def _expired(self, item: _Waiting) -> DeadlineExceeded:
         waited = 1e6 * (time.monotonic() - item.enqueued)
         return DeadlineExceeded(
-            f"the request waited {waited:.0f} µs in the queue of model '{self.model}', past its timeout; "
-            f"raise the 'timeout' parameter or retry when the server is less busy"
+            f"the request's timeout ran out after it waited {waited:.0f} µs in the queue of model '{self.model}' "
+            f"(a timeout counts from when the server read the request); raise the 'timeout' parameter or retry "
+            f"when the server is less busy"
         )
 
     def _drop(self, item: _Waiting) -> None:

@@ -181,6 +181,20 @@ async def test_bad_binary_requests(repo, inputs_json, binary, header, message):
         assert (await client.get("/v2/health/live")).status_code == 200
 
 
+async def test_the_binary_header_twice_with_different_values_is_refused_and_an_infer_path_with_a_slash_is_404(repo):
+    # the first value was used silently: a proxy keeping the other one reads another request (a probe found both)
+    head = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 2, 4],
+                                   "parameters": {"binary_data_size": 32}}]}).encode()
+    async with rest_client(repo) as (client, _):
+        twice = [(HEADER, str(len(head))), (HEADER, str(len(head) + 8))]
+        r = await client.post("/v2/models/lstm/infer", content=head + b"\0" * 32, headers=twice)
+        assert r.status_code == 400 and f"header {HEADER} came 2 times with different values" in r.json()["error"]
+        same = [(HEADER, str(len(head)))] * 2
+        assert (await client.post("/v2/models/lstm/infer", content=head + b"\0" * 32, headers=same)).status_code == 200
+        r = await client.post("/v2/models/lstm/infer/", content=head + b"\0" * 32, headers=same[:1])
+        assert r.status_code == 404 and "error" in r.json(), r.text  # was a 307 with an empty body
+
+
 async def test_large_binary_bodies_are_read_in_place_not_sent_to_the_json_helper(repo):
     """Only the JSON header decides whether decoding leaves the event loop: a large binary tensor was pickled
     to the JSON helper process and back (60 MB: 0.5-1 s instead of 0.2 ms)."""

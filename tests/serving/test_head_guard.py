@@ -180,3 +180,16 @@ def test_a_request_asking_to_switch_protocols_is_served_as_http_1_1(server):
         sock.shutdown(socket.SHUT_WR)
         answer = _read_all(sock, 30)
     assert answer.count(b"HTTP/1.1 200 OK") == 300 and answer.count(plain.content) == 300
+
+
+def test_a_transfer_coding_other_than_chunked_is_refused_as_such(server):
+    # 'gzip, chunked': the parser undid only chunked and the JSON decoder met gzip bytes, and the message sent the
+    # client to the binary extension's header
+    _, addr, _ = server
+    packed = __import__("gzip").compress(b'{"inputs": []}')
+    with socket.create_connection(addr) as sock:
+        sock.sendall(b"POST /v2/models/lstm/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
+                     + b"%x\r\n" % len(packed) + packed + b"\r\n0\r\n\r\n")
+        sock.shutdown(socket.SHUT_WR)
+        answer = _read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"Transfer-Encoding 'gzip, chunked' is not supported" in answer

@@ -66,6 +66,7 @@ def create_rest_app(dataplane: DataPlane, max_request_bytes: int = 64 * 1024 * 1
     helper = JsonProcess()
     gate = DecodeGate(2 * max_request_bytes, offload=helper.run)
     app = FastAPI(
+        redirect_slashes=False,  # '/v2/models/m/infer/' is an unknown path (JSON 404), not a 307 with no body
         title="rnnserve",
         version=__version__,
         description="LSTM, GRU and RNN inference over the Open Inference Protocol (KServe V2 / Triton), "

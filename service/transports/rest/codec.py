@@ -73,10 +73,15 @@ def _refuse_lone_surrogates(doc: Any) -> None:
             stack.extend(v for v in value if isinstance(v, (str, dict, list)))
 
 
-def header_length(text: str | None) -> int | None:
-    """The value of the binary extension's header (None when absent), or InvalidInput when it is no integer."""
-    if text is None:
+def header_length(values: list[str]) -> int | None:
+    """The value of the binary extension's header (None when absent), or InvalidInput when it is no integer or
+    it came more than once with different values (a proxy keeping the other one would read another request)."""
+    if not values:
         return None
+    if len(set(values)) > 1:
+        raise InvalidInput(f"header {HEADER} came {len(values)} times with different values ({', '.join(values)}); "
+                           f"send it once")
+    text = values[0]
     digits = text.strip()
     # ASCII digits only: int() also takes '+1', '1_000', other scripts' digits, and fails past 4,300 digits
     if not (digits.isascii() and digits.removeprefix("-").isdigit() and len(digits) <= 19):

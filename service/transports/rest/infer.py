@@ -41,7 +41,7 @@ async def infer_response(dataplane: DataPlane, request: Request, model: str, ver
     """Decode a V2 infer request (JSON or binary extension; a large one through ``gate``), run it, and encode
     the answer."""
     body = await read_decoded_body(request, limits)
-    n = header_length(request.headers.get(HEADER))
+    n = header_length(request.headers.getlist(HEADER))
     # binary tensor data is read in place (views of the body): only the JSON header decides whether decoding
     # leaves the event loop (a 60 MB binary body: 0.2 ms in place, 0.5-1 s pickled to the helper and back)
     json_bytes = len(body) if n is None else min(n, len(body))

@@ -87,6 +87,11 @@ async def read_body(request: Request, limits: BodyLimits) -> bytes:
 async def read_decoded_body(request: Request, limits: BodyLimits) -> bytes:
     """The body (:func:`read_body`) with its Content-Encoding undone (:func:`decompress`): what every route
     that takes a body reads."""
+    transfer = request.headers.get("transfer-encoding")
+    if transfer and transfer.strip().lower() != "chunked":
+        # the parser undoes chunked only: a 'gzip, chunked' body reached the JSON decoder still compressed
+        raise InvalidInput(f"Transfer-Encoding '{transfer}' is not supported (only chunked); send a compressed "
+                           f"body with Content-Encoding: gzip or deflate instead")
     body = await read_body(request, limits)
     encoding = request.headers.get("content-encoding")
     if encoding and encoding != "identity" and len(body) > _INLINE_COMPRESSED_BYTES:
