@@ -39,6 +39,10 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from ...log_limit import ThrottleFilter
 
 MAX_HEAD_BYTES = 64 * 1024
+# Set in a request's ASGI scope when its client has sent all it will (EOF) before the answer: a half-close, or a
+# client that closed and left (TCP cannot tell them apart). Plain requests are still answered; a stream chunk's
+# handler reads it as its client leaving (service.transports.rest.infer).
+CLIENT_EOF = "rnnserve.client_eof"
 
 
 def _answer(status: int, reason: str, message: str) -> bytes:
@@ -143,6 +147,9 @@ def head_guard(head_timeout_s: float, max_connections: int) -> type[HttpToolsPro
                 return None  # nothing to answer, or a body that will never end: close now
             last = self.pipeline[0][0] if self.pipeline else cycle  # pipelined requests are answered in order
             last.keep_alive = False
+            for waiting in [cycle, *(c for c, _ in self.pipeline)]:
+                waiting.scope[CLIENT_EOF] = True
+                waiting.message_event.set()  # wakes a handler watching receive() for its client leaving
             return True
 
         def _serve_without_upgrade(self, rest: bytes) -> bytes:

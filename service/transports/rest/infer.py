@@ -30,6 +30,7 @@ from ...errors import RNNServeError, Unavailable, cut_off_by_drain
 from .answer_coding import answer_coding, compress_answer
 from .codec import HEADER, answer_limit, decode_request, encode_response, header_length, json_values
 from .decode_gate import DecodeGate
+from .head_guard import CLIENT_EOF
 from .responses import BodyLimits, error_response, read_decoded_body
 
 T = TypeVar("T")
@@ -48,7 +49,7 @@ async def infer_response(dataplane: DataPlane, request: Request, model: str, ver
     req = await gate.decode(decode_request, body, n, model, version, size=json_bytes)
     req.answer_limit = answer_limit(req, limits.max_bytes)
     if req.parameters.get("sequence_id"):
-        resp = await _unless_client_leaves(dataplane.infer(req), request.receive)
+        resp = await _unless_client_leaves(dataplane.infer(req), request)
     else:
         resp = await dataplane.infer(req)
     content, headers = await gate.encode(encode_response, resp, req.parameters,
@@ -60,24 +61,31 @@ async def infer_response(dataplane: DataPlane, request: Request, model: str, ver
     return Response(content, headers=headers)
 
 
-async def _unless_client_leaves(work: Awaitable[T], receive: Callable[[], Awaitable[dict]]) -> T:
+async def _unless_client_leaves(work: Awaitable[T], request: Request) -> T:
     """``work``'s result, or ``work`` cancelled once the client closes its connection.
 
     For stream chunks: a chunk whose client went away before its answer ends its stream (the client
     cannot know whether the chunk moved the state), as gRPC's cancellation does. ASGI's ``receive``
-    gives ``http.disconnect`` once the body is read and the connection closes. Plain requests are
-    not watched: their outcome changes nothing else, and watching costs each request a task.
+    gives ``http.disconnect`` once the body is read and the connection closes; the server's protocol
+    marks a client's EOF in the scope (:data:`.head_guard.CLIENT_EOF`), which for a chunk counts as
+    leaving too: a client that closed cannot be told from one that half-closed, and only the first
+    case is safe to guess wrong. Plain requests are not watched: their outcome changes nothing else,
+    and watching costs each request a task.
     """
     task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(receive())
-    try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watch.cancel()
-    if not task.done() and not watch.cancelled() and watch.result().get("type") == "http.disconnect":
+    left = bool(request.scope.get(CLIENT_EOF))
+    if not left:
+        watch = asyncio.ensure_future(request.receive())
+        try:
+            await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            watch.cancel()
+        left = not task.done() and not watch.cancelled() and (
+            watch.result().get("type") == "http.disconnect" or bool(request.scope.get(CLIENT_EOF)))
+    if left and not task.done():
         task.cancel()
         raise Unavailable("the client closed the connection before its answer; its stream was ended")
     return await task
