@@ -375,9 +375,16 @@ async def test_v1_predict_ragged(repo):
             # finite, past FP32's range: was "NaN or infinite"
             ({"instances": [[[1, 2, 3, 4]], [[1, 2, 3, 4], [1, 1e39, 3, 4]]]},
              "instances[1][1][1] is 1e+39, outside FP32's range"),
+            # a V2 key was dropped without a word, and a step without features was named as V2's 'input'
+            ({"instances": [[[1, 2, 3, 4]]], "parameters": {"timeout": 1}},
+             "unknown key 'parameters': a predict body takes 'instances' and optionally 'outputs'"),
+            ({"instances": [[[]]]}, "instances[0][0] has no features"),
         ]:
             r = await client.post("/v1/models/gru_bi:predict", json=body)
             assert r.status_code == 400 and message in r.json()["error"], (body, r.text)
+        r = await client.post("/v1/models/gru_bi:predict",  # as TensorFlow Serving clients send it
+                              json={"signature_name": "serving_default", "instances": [[[1, 2, 3, 4]]]})
+        assert r.status_code == 200, r.text
         r = await client.post("/v1/models/nope:predict", json={"instances": [[[1, 2, 3, 4]]]})
         assert r.status_code == 404
         # curl -d sends application/x-www-form-urlencoded; the JSON body is still read

@@ -25,7 +25,8 @@ PredictOutput = Literal["output", "output_last", "h_n", "c_n"]
 class PredictRequest(BaseModel):
     """Sequences to run, each a list of feature vectors (lengths may differ)."""
 
-    model_config = ConfigDict(json_schema_extra={"examples": [
+    # extra keys refused: a "parameters": {"timeout": ...} meant for V2 was dropped without a word
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"instances": [[[0.0], [0.2], [0.39]], [[0.9]]]},  # the bundled forecaster takes one feature a step
         {"instances": [[[0.0], [0.2]]], "outputs": ["output_last", "h_n"]},
     ]})
@@ -35,6 +36,8 @@ class PredictRequest(BaseModel):
         ..., description="One entry per sequence: a list of time steps, each a list of the model's input features.")
     outputs: list[PredictOutput] | None = Field(
         None, description="Outputs to return per instance; default output_last and output.")
+    signature_name: str | None = Field(
+        None, description="Accepted and not used (TensorFlow Serving clients send it): a model has one signature.")
 
 
 class PredictResponse(BaseModel):
@@ -59,7 +62,10 @@ def parse_predict(raw: bytes) -> PredictRequest:
     try:
         return PredictRequest.model_validate(doc)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(
+            f"unknown key '{e['loc'][0]}': a predict body takes 'instances' and optionally 'outputs' (request "
+            f"parameters such as 'timeout' go to /v2/models/{{model}}/infer)" if e["type"] == "extra_forbidden"
+            else f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
         raise InvalidInput(f"invalid request body: {problems}") from None
 
 
@@ -75,6 +81,9 @@ def to_infer_request(model: str, body: PredictRequest, limit: int | None = None)
         for t, step in enumerate(seq):
             if width is None:
                 width = len(step)
+                if not width:
+                    raise InvalidInput(f"instances[{i}][{t}] has no features; every time step needs the model's "
+                                       f"input features")
             if len(step) != width:
                 raise InvalidInput(f"instances[{i}][{t}] has {len(step)} features but instances[0][0] has {width}; "
                                    f"every time step needs the same number of features")
