@@ -204,14 +204,15 @@ class DataPlane:
         because its own queue was full (``unavailable``), or cancelled before it sent them (``cancelled``)."""
         self._count(model, version, outcome, requests)
 
-    def set_frontend_waiting(self, model: str, version: str, requests: int) -> None:
-        """``requests`` of ``model``/``version`` wait in the front-end processes, as they last reported."""
+    def set_frontend_waiting(self, model: str, version: str, requests: int, chunks: int = 0) -> None:
+        """``requests`` of ``model``/``version`` wait in the front-end processes, as they last reported, ``chunks``
+        of them stream chunks (while any wait, none of the version's streams expires)."""
         if not self._serves(model, version):
             return  # a report (or a lost front-end's reset) after the version stopped: don't bring its series back
         self.metrics.frontend_queue_depth.labels(model=model, version=version).set(requests)
         streams = self.registry.version(model, version).streams
         if streams is not None:
-            streams.frontends_waiting = requests
+            streams.frontends_waiting = chunks
 
     def _serves(self, model: str, version: str) -> bool:
         """Whether ``model``/``version`` is loaded (has a scheduler), as its per-version gauges are."""

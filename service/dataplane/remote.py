@@ -177,7 +177,7 @@ class DataPlaneServer:
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task] = set()
         self._calls: dict[tuple[int, int], Any] = {}  # (connection, call id) -> its work, until answered
-        self._waiting: dict[int, dict[tuple[str, str], int]] = {}  # connection -> its front-end's waiting requests
+        self._waiting: dict[int, dict[tuple[str, str, str], int]] = {}  # connection -> its front-end's waiting
 
     async def start(self) -> None:
         """Listen on the socket."""
@@ -246,14 +246,17 @@ class DataPlaneServer:
         conn = FrameConnection(on_frame, on_lost)
         return conn
 
-    def _frontend_waiting(self, conn: FrameConnection, counts: dict[tuple[str, str], int]) -> None:
-        """A front-end's requests waiting in its lanes, by (model, version), as it reports them when they change;
-        the gauge is the sum over the front-ends connected."""
+    def _frontend_waiting(self, conn: FrameConnection, counts: dict[tuple[str, str, str], int]) -> None:
+        """A front-end's requests waiting in its lanes, by (model, version, "requests" or "chunks"), as it reports
+        them when they change; the gauge is the sum over the front-ends connected, and the stream chunks' share
+        holds off the model's stream expiry."""
         before = self._waiting.pop(id(conn), {})
         if counts:
             self._waiting[id(conn)] = counts
-        for key in before.keys() | counts.keys():
-            self.dataplane.set_frontend_waiting(*key, sum(c.get(key, 0) for c in self._waiting.values()))
+        for model, version in {key[:2] for key in before.keys() | counts.keys()}:
+            requests, chunks = (sum(c.get((model, version, kind), 0) for c in self._waiting.values())
+                                for kind in ("requests", "chunks"))
+            self.dataplane.set_frontend_waiting(model, version, requests + chunks, chunks)
 
     def _track(self, conn: FrameConnection, msg_id: int, work: Any) -> None:
         """Keep call ``msg_id``'s future (or list of futures, one per item) until it is answered, so that the
@@ -362,7 +365,7 @@ class RemoteDataPlane:
         self._chunk_lanes: dict[tuple[str, str, int], ChunkLane] = {}
         self._many: dict[asyncio.Future, int] = {}  # submit_many calls not yet settled: their ids, to cancel items
         self._lane_labels: dict[tuple[str, str, int], tuple[str, str]] = {}  # lane key -> (model, version served)
-        self._reported: dict[tuple[str, str], int] = {}  # waiting requests as last told to the engine process
+        self._reported: dict[tuple[str, str, str], int] = {}  # waiting requests as last told to the engine process
 
     async def connect(self) -> None:
         """Open the connection to the engine process."""
@@ -579,12 +582,12 @@ class RemoteDataPlane:
     def report_waiting(self) -> None:
         """Tell the engine process how many requests wait in this front-end's lanes, by model and version, when
         that changed since the last report (no reply): its ``rnnserve_frontend_queue_depth``."""
-        counts: dict[tuple[str, str], int] = {}
-        for lanes in (self._lanes, self._chunk_lanes):
+        counts: dict[tuple[str, str, str], int] = {}
+        for kind, lanes in (("requests", self._lanes), ("chunks", self._chunk_lanes)):
             for key, lane in lanes.items():
                 label = self._lane_labels.get(key)
                 if label is not None and lane.waiting:
-                    counts[label] = counts.get(label, 0) + lane.waiting
+                    counts[(*label, kind)] = counts.get((*label, kind), 0) + lane.waiting
         if counts == self._reported or self._conn is None or self._conn.closed:
             return
         # every model that waited before and waits no more is sent as 0, so that its gauge goes back

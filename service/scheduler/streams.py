@@ -34,7 +34,7 @@ was within the hosts' spread).
 A stream with no chunk for ``idle_timeout_s`` is dropped with its state by a sweeper
 task (and on every open), and counted as an expiration. With front-end processes a chunk
 can wait in a front-end, unseen by the engine process, while its stream's time runs out
-there: no stream expires while the front-ends report requests of its model waiting, and
+there: no stream expires while the front-ends report chunks of its model waiting, and
 an idle stream outlives its timeout by ``expiry_grace_s`` (twice the reports' period).
 """
 from __future__ import annotations
@@ -121,7 +121,7 @@ class StreamStore:
         self.max_streams = max_streams
         self.idle_timeout_s = idle_timeout_s
         self.waiting_chunks = 0  # chunks waiting for their stream's turn (service.dataplane bounds them)
-        self.frontends_waiting = 0  # requests of this version waiting in front-end processes, as they last reported
+        self.frontends_waiting = 0  # stream chunks of this version waiting in front-end processes, as last reported
         self.expiry_grace_s = expiry_grace_s
         self._metrics = metrics
         self._owns_gauges = True  # see release_gauges

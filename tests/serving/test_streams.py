@@ -250,8 +250,8 @@ async def test_front_end_reports_reach_the_stream_store_and_front_end_layouts_ge
         assert dataplane.registry.stream_expiry_grace_s == 0  # one process: no chunk waits unseen
         DataPlaneServer(dataplane, str(tmp_path / "engine.sock"))
         assert dataplane.registry.stream_expiry_grace_s == 2 * WAITING_REPORT_S
-        dataplane.set_frontend_waiting("lstm", "1", 5)
-        assert dataplane.registry.serving("lstm").streams.frontends_waiting == 5
+        dataplane.set_frontend_waiting("lstm", "1", 5, 2)  # plain requests do not hold expiry off: chunks do
+        assert dataplane.registry.serving("lstm").streams.frontends_waiting == 2
 
 
 async def test_a_chunk_reaching_a_reload_s_new_copy_while_the_old_drains_is_told_its_stream_ended(repo):
