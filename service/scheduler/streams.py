@@ -34,8 +34,9 @@ was within the hosts' spread).
 A stream with no chunk for ``idle_timeout_s`` is dropped with its state by a sweeper
 task (and on every open), and counted as an expiration. With front-end processes a chunk
 can wait in a front-end, unseen by the engine process, while its stream's time runs out
-there: no stream expires while the front-ends report chunks of its model waiting, and
-an idle stream outlives its timeout by ``expiry_grace_s`` (twice the reports' period).
+there: while the front-ends report chunks of its model waiting, a stream expires only
+after twice its timeout, and an idle stream outlives its timeout by ``expiry_grace_s``
+(twice the reports' period).
 """
 from __future__ import annotations
 
@@ -279,9 +280,11 @@ class StreamStore:
         if not force and now - self._last_sweep < min(1.0, self.idle_timeout_s / 4):
             return
         self._last_sweep = now
-        if self.frontends_waiting:
-            return  # one of them may be the chunk a stream waits for
         limit = self.idle_timeout_s + self.expiry_grace_s
+        if self.frontends_waiting:
+            # one of them may be the chunk a stream waits for; but steady stream traffic must not keep abandoned
+            # streams (and their max_streams places) for good: a chunk that waits a whole timeout is lost anyway
+            limit += self.idle_timeout_s
         idle = [s for s in self._streams.values() if now - s.last_used > limit and not s.turn.busy]
         for state in idle:
             self.close(state, f"expired after {self.idle_timeout_s:g}s without a chunk (stream_idle_timeout_s)",

@@ -6,10 +6,12 @@ closed, until no file descriptor was left for HTTP or gRPC.
 """
 from __future__ import annotations
 
+import json
 import socket
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from service.transports.rest.head_guard import MAX_HEAD_BYTES
@@ -193,3 +195,50 @@ def test_a_transfer_coding_other_than_chunked_is_refused_as_such(server):
         sock.shutdown(socket.SHUT_WR)
         answer = _read_all(sock)
     assert answer.startswith(b"HTTP/1.1 400 ") and b"Transfer-Encoding 'gzip, chunked' is not supported" in answer
+
+
+def test_an_upgrade_request_answered_before_its_body_ends_closes_rather_than_keep_reading(server):
+    # Content-Length 10 GB with Upgrade: the 413 went out at once, but every byte that followed was kept for the
+    # answered request (600 MB sent: +620 MB in the server; a re-probe found it)
+    _, addr, _ = server
+    with socket.create_connection(addr) as sock:
+        sock.sendall(b"POST /v2/models/lstm/infer HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n"
+                     b"Content-Length: 10000000000\r\n\r\n" + b"x" * 65536)
+        sock.settimeout(10)
+        answer = sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+        sent = 0
+        with pytest.raises(OSError):  # the server closed: the next writes fail (reset, or broken pipe)
+            while sent < 200 * 2**20:
+                sock.sendall(b"x" * 2**20)
+                sent += 2**20
+    assert sent < 100 * 2**20
+
+
+def test_a_stream_chunk_whose_client_half_closes_is_told_truly_what_became_of_its_stream(server):
+    # a chunk whose EOF came before it ran was not run, yet the answer said its stream was ended (and it was not)
+    http_url, addr, _ = server
+    rng = np.random.default_rng(1)
+    for steps in (3, 100_000):
+        sid = 8100 + steps
+        start = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 2, 4], "data": [0.5] * 8}],
+                 "parameters": {"sequence_id": sid, "sequence_start": True}}
+        assert httpx.post(f"{http_url}/v2/models/lstm/infer", json=start, timeout=30).status_code == 200
+        x = rng.standard_normal((1, steps, 4)).astype(np.float32)
+        head = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape),
+                                       "parameters": {"binary_data_size": x.nbytes}}],
+                           "parameters": {"sequence_id": sid}}).encode()
+        with socket.create_connection(addr) as sock:
+            sock.sendall(b"POST /v2/models/lstm/infer HTTP/1.1\r\nHost: x\r\n"
+                         + f"Inference-Header-Content-Length: {len(head)}\r\nContent-Length: {len(head) + x.nbytes}"
+                           f"\r\n\r\n".encode() + head + x.tobytes())
+            sock.shutdown(socket.SHUT_WR)
+            answer = _read_all(sock, 30)
+        assert answer.startswith(b"HTTP/1.1 503 "), answer[:300]
+        nxt = httpx.post(f"{http_url}/v2/models/lstm/infer", timeout=30, json={
+            "inputs": start["inputs"], "parameters": {"sequence_id": sid, "sequence_end": True}})
+        if b"was not run and its stream is unchanged" in answer:
+            assert nxt.status_code == 200, nxt.text
+        else:
+            assert b"if it had started its stream was ended" in answer, answer[:400]
+            assert nxt.status_code in (200, 404), nxt.text

@@ -377,7 +377,7 @@ async def test_v1_predict_ragged(repo):
              "instances[1][1][1] is 1e+39, outside FP32's range"),
             # a V2 key was dropped without a word, and a step without features was named as V2's 'input'
             ({"instances": [[[1, 2, 3, 4]]], "parameters": {"timeout": 1}},
-             "unknown key 'parameters': a predict body takes 'instances' and optionally 'outputs'"),
+             "unknown key 'parameters': a predict body takes 'instances' and optionally 'outputs' and 'signature_name'"),
             ({"instances": [[[]]]}, "instances[0][0] has no features"),
         ]:
             r = await client.post("/v1/models/gru_bi:predict", json=body)

@@ -237,11 +237,14 @@ async def test_no_stream_expires_while_front_ends_hold_requests_of_its_model(rep
     store._sweep(now + 0.5, force=True)  # past the timeout, within the grace: the chunk may still be on its way
     assert not live.ended
     store.frontends_waiting = 3
-    store._sweep(now + 60, force=True)  # requests wait in the front-ends: any of them may be its next chunk
+    store._sweep(now + 0.6, force=True)  # chunks wait in the front-ends: any of them may be its next chunk
     assert not live.ended and store.open("7", start=False) is live
-    store.frontends_waiting = 0
-    store._sweep(live.last_used + 0.8, force=True)
+    store._sweep(live.last_used + 0.95, force=True)  # but not for more than another timeout
     assert live.ended.startswith("expired after 0.2s")
+    other = store.open("8", start=True)
+    store.frontends_waiting = 0
+    store._sweep(other.last_used + 0.8, force=True)
+    assert other.ended.startswith("expired after 0.2s")
 
 
 async def test_front_end_reports_reach_the_stream_store_and_front_end_layouts_get_the_grace(repo, tmp_path):

@@ -78,7 +78,7 @@ def header_length(values: list[str]) -> int | None:
     it came more than once with different values (a proxy keeping the other one would read another request)."""
     if not values:
         return None
-    if len(set(values)) > 1:
+    if len({v.strip() for v in values}) > 1:
         raise InvalidInput(f"header {HEADER} came {len(values)} times with different values ({', '.join(values)}); "
                            f"send it once")
     text = values[0]

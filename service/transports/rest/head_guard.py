@@ -34,6 +34,7 @@ import resource
 from typing import Any
 
 import httptools
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ...log_limit import ThrottleFilter
@@ -170,15 +171,29 @@ def head_guard(head_timeout_s: float, max_connections: int) -> type[HttpToolsPro
 
         def _take_body(self, data: bytes) -> bytes:
             """Give the request whose upgrade was ignored the body bytes it is owed from ``data``; the rest (the
-            next request)."""
+            next request). As uvicorn's own body reading: reading pauses while the handler has not taken what came,
+            and a request answered before its body ended (a 413) closes the connection rather than keep it."""
+            cycle = self.cycle
+            if cycle.response_complete:
+                self._owed = 0
+                self.transport.close()
+                return b""
             part = data[:self._owed]
             self._owed -= len(part)
-            cycle = self.cycle
             cycle.body += part
+            if len(cycle.body) > HIGH_WATER_LIMIT:
+                self.flow.pause_reading()
             if not self._owed:
                 cycle.more_body = False
             cycle.message_event.set()
             return data[len(part):]
+
+        def on_response_complete(self) -> None:
+            if self._owed and not self.transport.is_closing():  # answered before the body it is owed ended
+                self._owed = 0
+                self.transport.close()
+                return
+            super().on_response_complete()
 
         def send_400_response(self, msg: str) -> None:
             # uvicorn's own answer is plain text; every other error of the server is {"error": ...}

@@ -72,22 +72,27 @@ async def _unless_client_leaves(work: Awaitable[T], request: Request) -> T:
     case is safe to guess wrong. Plain requests are not watched: their outcome changes nothing else,
     and watching costs each request a task.
     """
+    if request.scope.get(CLIENT_EOF):  # gone already: the chunk is not run, and its stream is as it was
+        if asyncio.iscoroutine(work):
+            work.close()
+        raise Unavailable("the client closed (or half-closed) the connection before its stream chunk ran: the chunk "
+                          "was not run and its stream is unchanged; keep the connection open until the answer")
     task = asyncio.ensure_future(work)
-    left = bool(request.scope.get(CLIENT_EOF))
-    if not left:
-        watch = asyncio.ensure_future(request.receive())
-        try:
-            await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
-        finally:
-            watch.cancel()
-        left = not task.done() and not watch.cancelled() and (
-            watch.result().get("type") == "http.disconnect" or bool(request.scope.get(CLIENT_EOF)))
-    if left and not task.done():
+    watch = asyncio.ensure_future(request.receive())
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
         task.cancel()
-        raise Unavailable("the client closed the connection before its answer; its stream was ended")
+        raise
+    finally:
+        watch.cancel()
+    left = not task.done() and watch.done() and not watch.cancelled() and (
+        watch.result().get("type") == "http.disconnect" or bool(request.scope.get(CLIENT_EOF)))
+    if left:
+        task.cancel()
+        raise Unavailable("the client closed (or half-closed) the connection before its answer: the chunk was "
+                          "cancelled, and if it had started its stream was ended (its next chunk gets NOT_FOUND: "
+                          "start it again with sequence_start)")
     return await task
 
 

@@ -63,7 +63,7 @@ def parse_predict(raw: bytes) -> PredictRequest:
         return PredictRequest.model_validate(doc)
     except ValidationError as exc:
         problems = "; ".join(
-            f"unknown key '{e['loc'][0]}': a predict body takes 'instances' and optionally 'outputs' (request "
+            f"unknown key '{e['loc'][0]}': a predict body takes 'instances' and optionally 'outputs' and 'signature_name' (request "
             f"parameters such as 'timeout' go to /v2/models/{{model}}/infer)" if e["type"] == "extra_forbidden"
             else f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
         raise InvalidInput(f"invalid request body: {problems}") from None
