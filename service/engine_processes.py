@@ -19,7 +19,7 @@ from typing import Any
 from .app import _serving, build_dataplane
 from .children import run_child, start_beating
 from .parent_death import die_with_parent
-from .dataplane.remote import DataPlaneServer
+from .dataplane.remote import WAITING_REPORT_S, DataPlaneServer
 from .settings import ServeSettings
 
 
@@ -36,6 +36,9 @@ class EngineHost:
 
     def __init__(self, settings: ServeSettings, socket_path: str) -> None:
         self.dataplane = build_dataplane(settings)
+        # A stream's chunk can wait in a front-end's lane, unseen here, until the front-end's next report: streams
+        # must not expire in that time (set before the models load, so every stream store gets it).
+        self.dataplane.registry.stream_expiry_grace_s = 2 * WAITING_REPORT_S
         self.server = DataPlaneServer(self.dataplane, socket_path)
         self._load: asyncio.Task | None = None
 

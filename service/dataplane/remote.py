@@ -19,7 +19,7 @@ validation, request decoding and response building, and the batch worker waited 
 the rest. A request that fails validation in a front-end is sent whole (``infer``),
 so the engine process counts it and answers with the same error.
 
-Wire format on a Unix socket: 8-byte little-endian length + pickle (protocol 5) of
+Wire format on a Unix socket (frames: :mod:`.frames`): 8-byte little-endian length + pickle (protocol 5) of
 ``(id, method, args)`` (``submit_many``: several works, answered by one list of ``(ok, value)``); replies are ``(id, ok, value)`` where a failed call carries the
 exception (rnnserve errors keep their status). A front-end whose client went away sends
 ``(None, "cancel", (id, index))`` for a request's call (``index``: one work of a ``submit_many``),
@@ -37,23 +37,21 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import pickle
-import struct
 import time
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import NotFound, RNNServeError, StaleModelView, Unavailable
 from ..wire import placing, wire
 from . import arena as arenas
 from .coalesce import SLOW_NOTE_S, ChunkLane, Lane
+from .frames import FrameConnection
 from .types import InferRequest, InferResponse
 from .view import ModelView, Prepared, prepare, respond
 
 log = logging.getLogger("rnnserve.dataplane.remote")
-_LENGTH = struct.Struct("<Q")
 # How often a front-end reports the requests waiting in its lanes (when the counts changed): how stale
-# rnnserve_frontend_queue_depth may be, and what streams' idle expiry allows for (see DataPlaneServer); a report
+# rnnserve_frontend_queue_depth may be, and what streams' idle expiry allows for (see EngineHost); a report
 # costs the engine process ~µs.
 WAITING_REPORT_S = 0.25
 ASYNC_METHODS = frozenset({"infer", "load_model", "unload_model", "live", "ready", "server_metadata", "model_metadata",
@@ -62,79 +60,6 @@ ASYNC_METHODS = frozenset({"infer", "load_model", "unload_model", "live", "ready
 SYNC_METHODS = frozenset({"model_view"})
 # Calls whose work a front-end cancels when its client goes away: ``(None, "cancel", (id, index))`` (no reply).
 CANCELLABLE_METHODS = frozenset({"submit", "submit_many", "infer"})
-
-
-def frame_parts(obj: Any) -> tuple[bytes, bytes]:
-    """One frame of the wire format as (length, body); writers join frames once, not per frame."""
-    data = pickle.dumps(obj, protocol=5)
-    return _LENGTH.pack(len(data)), data
-
-
-class FrameConnection(asyncio.Protocol):
-    """One end of a connection: frames in through ``on_frame(obj)``, out through :meth:`send`.
-
-    A protocol rather than stream reader/writer coroutines: a burst of frames is parsed in one
-    ``data_received`` call, and the frames sent during one event-loop iteration (a finished
-    batch answers many requests at once) leave in one write, one system call.
-    """
-
-    def __init__(self, on_frame: Callable[[Any], None], on_lost: Callable[[], None] | None = None) -> None:
-        self._on_frame = on_frame
-        self._on_lost = on_lost
-        self._buf = bytearray()
-        self._out: list[bytes] = []
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        # Frames are read through memoryviews: a request's arrays are most of its bytes, and a
-        # bytearray slice per frame (plus appending every read to the buffer) copied them twice
-        # more on the engine process's one busy thread. Only an incomplete tail is kept.
-        buf = self._buf
-        if buf:
-            buf += data
-            data = buf
-        pos, end = 0, len(data)
-        with memoryview(data) as view:
-            while end - pos >= _LENGTH.size:
-                (size,) = _LENGTH.unpack_from(view, pos)
-                stop = pos + _LENGTH.size + size
-                if stop > end:
-                    break
-                with view[pos + _LENGTH.size:stop] as frame:
-                    obj = pickle.loads(frame)  # in-band buffers are copied out: nothing keeps the frame
-                pos = stop
-                self._on_frame(obj)
-            tail = view[pos:].tobytes() if pos < end and data is not buf else None
-        if data is buf:
-            del buf[:pos]
-        elif tail:
-            buf += tail
-
-    def send(self, obj: Any) -> None:
-        """Queue ``obj``; everything queued in this loop iteration goes out in one write."""
-        if self.closed:
-            return
-        if not self._out:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._out += frame_parts(obj)  # joined once in _flush: no copy per frame here
-
-    def _flush(self) -> None:
-        if self._out and not self.closed and self.transport is not None:
-            self.transport.write(b"".join(self._out))
-        self._out.clear()
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if self._on_lost is not None:
-            self._on_lost()
 
 
 def _outcome(fut: asyncio.Future) -> tuple[bool, Any]:
@@ -169,11 +94,6 @@ class DataPlaneServer:
     def __init__(self, dataplane: Any, path: str) -> None:
         self.dataplane = dataplane
         self.path = path
-        registry = getattr(dataplane, "registry", None)
-        if registry is not None:
-            # A stream's chunk can wait in a front-end's lane, unseen here, until its next report: streams must
-            # not expire in that time (set before the models load, so every stream store gets it).
-            registry.stream_expiry_grace_s = 2 * WAITING_REPORT_S
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task] = set()
         self._calls: dict[tuple[int, int], Any] = {}  # (connection, call id) -> its work, until answered

@@ -248,11 +248,13 @@ async def test_no_stream_expires_while_front_ends_hold_requests_of_its_model(rep
 
 
 async def test_front_end_reports_reach_the_stream_store_and_front_end_layouts_get_the_grace(repo, tmp_path):
-    from service.dataplane.remote import WAITING_REPORT_S, DataPlaneServer
+    from service.dataplane.remote import WAITING_REPORT_S
+    from service.engine_processes import EngineHost
+    from service.settings import ServeSettings
+    host = EngineHost(ServeSettings(repository=repo, device="cpu"), str(tmp_path / "engine.sock"))
+    assert host.dataplane.registry.stream_expiry_grace_s == 2 * WAITING_REPORT_S  # front-ends hold chunks unseen
     async with rest_client(repo) as (_, dataplane):
         assert dataplane.registry.stream_expiry_grace_s == 0  # one process: no chunk waits unseen
-        DataPlaneServer(dataplane, str(tmp_path / "engine.sock"))
-        assert dataplane.registry.stream_expiry_grace_s == 2 * WAITING_REPORT_S
         dataplane.set_frontend_waiting("lstm", "1", 5, 2)  # plain requests do not hold expiry off: chunks do
         assert dataplane.registry.serving("lstm").streams.frontends_waiting == 2
 

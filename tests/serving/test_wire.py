@@ -74,7 +74,7 @@ def test_results_travel_as_plain_arrays():
 
 @pytest.mark.parametrize("cut", [1, 7, 1000, None])
 def test_frames_split_anywhere_arrive_whole_and_in_order(cut):
-    from service.dataplane.remote import FrameConnection, frame_parts
+    from service.dataplane.frames import FrameConnection, frame_parts
 
     rng = np.random.default_rng(0)
     sent = [(k, "submit", (wire(rng.standard_normal((k + 1, 3, 2)).astype(np.float32)),)) for k in range(6)]
