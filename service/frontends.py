@@ -53,7 +53,8 @@ async def _frontend(settings: ServeSettings, socket_paths: list[str], http_share
     stop = asyncio.Event()
     arena_bytes = (settings.frontend_shm_mb << 20) // len(socket_paths)  # one arena per engine process
     remotes = [RemoteDataPlane(path, on_lost=stop.set, arena_bytes=arena_bytes) for path in socket_paths]
-    dataplane: RemoteDataPlane | ShardedDataPlane = remotes[0] if len(remotes) == 1 else ShardedDataPlane(remotes)
+    dataplane: RemoteDataPlane | ShardedDataPlane = remotes[0] if len(remotes) == 1 else ShardedDataPlane(
+        remotes, lock_folder=os.path.dirname(socket_paths[0]))
     await dataplane.connect()
     transports = await Transports.start(dataplane, settings, reuse_port=True, http_share=http_share)
     install_stop_handlers(stop)

@@ -12,7 +12,8 @@ own, like Triton's ``instance_group`` count, and each front-end holds one
 - every chunk of a stream goes to the engine process its ``sequence_id`` hashes to
   (CRC-32, the same in every front-end), where the stream's state lives; stream errors
   (unknown, expired, second start) are therefore exactly those of one engine process;
-- load and unload go to every engine process; health, readiness and the repository
+- load and unload go to every engine process, one at a time per model across front-ends
+  (:mod:`.repository_lock`), so that every process goes through them in one order; health, readiness and the repository
   index combine theirs (ready when ready in all; a version not READY in one process is
   shown with that process's state and reason); metadata and configuration come from the
   first (the configuration counts one instance per engine process);
@@ -24,12 +25,14 @@ Limits (``max_queue_size``, ``max_streams``) are each engine process's own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import zlib
 from typing import Any, Sequence
 
 from ..errors import InvalidInput
 from ..metrics.merge import merge_expositions
 from .remote import RemoteDataPlane
+from .repository_lock import model_lock
 from .statistics import merge_statistics
 from .types import InferRequest, InferResponse
 from .validation import stream_request
@@ -47,18 +50,26 @@ def stream_shard(parameters: dict[str, Any], count: int) -> int | None:
 
 
 def merge_indexes(indexes: Sequence[list[dict]]) -> list[dict]:
-    """One repository index from the engine processes' indexes (rows keyed by name and version)."""
-    rows: dict[tuple[str, str], dict] = {}
+    """One repository index from the engine processes' indexes (rows keyed by name and version).
+
+    Where the processes disagree (a load that failed in one, out of memory), the row is the first process's
+    that is not READY, its reason naming that process, and the processes where it is READY: whichever process
+    holds which state, the index must not read as if every process agreed.
+    """
+    seen: dict[tuple[str, str], list[tuple[int, dict]]] = {}
     for k, index in enumerate(indexes):
         for row in index:
-            key = (row["name"], row["version"])
-            seen = rows.get(key)
-            if seen is None:
-                rows[key] = dict(row)
-            elif seen["state"] == "READY" and row["state"] != "READY":
-                reason = f"engine process {k}: {row['reason']}" if row["reason"] else f"engine process {k}"
-                rows[key] = {**row, "reason": reason}
-    return sorted(rows.values(), key=lambda r: (r["name"], _version_order(r["version"])))
+            seen.setdefault((row["name"], row["version"]), []).append((k, row))
+    rows = []
+    for copies in seen.values():
+        ready = [k for k, row in copies if row["state"] == "READY"]
+        if not ready or len(ready) == len(copies):
+            rows.append(dict(copies[0][1]))
+            continue
+        k, row = next((k, row) for k, row in copies if row["state"] != "READY")
+        reason = f"engine process {k}: {row['reason']}" if row["reason"] else f"engine process {k}"
+        rows.append({**row, "reason": f"{reason} (READY in engine process {', '.join(map(str, ready))})"})
+    return sorted(rows, key=lambda r: (r["name"], _version_order(r["version"])))
 
 
 def _version_order(label: str) -> tuple[int, str]:
@@ -68,10 +79,13 @@ def _version_order(label: str) -> tuple[int, str]:
 class ShardedDataPlane:
     """Routes the DataPlane interface of a front-end process over several engine processes."""
 
-    def __init__(self, shards: Sequence[RemoteDataPlane]) -> None:
+    def __init__(self, shards: Sequence[RemoteDataPlane], lock_folder: str | None = None) -> None:
+        """``lock_folder``: where the front-ends of one server keep their repository locks (None: no other
+        front-end sends loads or unloads)."""
         if not shards:
             raise ValueError("ShardedDataPlane needs at least one engine process")
         self.shards = list(shards)
+        self._lock_folder = lock_folder
         self._in_flight = [0] * len(self.shards)
         self._turn = 0
         self._draining = False
@@ -163,8 +177,16 @@ class ShardedDataPlane:
 
     async def _everywhere(self, method: str, name: str) -> None:
         """Run ``method`` in every engine process; the first failure (in process order) is raised after all end."""
-        results = await asyncio.gather(*(getattr(shard, method)(name) for shard in self.shards),
-                                       return_exceptions=True)
+        # a task of its own: a caller that leaves must not release the lock while the engine processes still work
+        task = asyncio.ensure_future(self._in_turn(method, name))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved, should the caller have left
+        results = await asyncio.shield(task)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
+
+    async def _in_turn(self, method: str, name: str) -> list[Any]:
+        """``method``'s result (or exception) in every engine process, holding the model's repository lock."""
+        async with model_lock(self._lock_folder, name) if self._lock_folder else contextlib.nullcontext():
+            return await asyncio.gather(*(getattr(shard, method)(name) for shard in self.shards),
+                                        return_exceptions=True)

@@ -91,6 +91,8 @@ class ModelEntry:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # why the last load stopped before any version, while earlier versions still serve ("" when it did not)
     last_failure: str = ""
+    # versions whose new copy failed in the last load while their earlier copy still serves: why
+    reload_failures: dict[int, str] = field(default_factory=dict)
 
 
 def effective_config(model_dir: Path, defaults: dict[str, Any]) -> ModelConfig:
@@ -226,8 +228,9 @@ class ModelRegistry:
             for v in sorted(entry.versions):
                 sv = entry.versions[v]
                 reason = sv.reason
-                if not reason and entry.last_failure and sv.state == ModelState.READY:
-                    reason = f"serving the earlier load; the last load failed: {entry.last_failure}"
+                failure = entry.last_failure or entry.reload_failures.get(v, "")
+                if not reason and failure and sv.state == ModelState.READY:
+                    reason = f"serving the earlier load; the last load failed: {failure}"
                 rows.append({"name": name, "version": sv.label, "state": sv.state.value, "reason": reason})
         if ready_only:
             rows = [r for r in rows if r["state"] == ModelState.READY.value]
@@ -343,13 +346,15 @@ class ModelRegistry:
                 entry.state, entry.reason = ModelState.UNAVAILABLE, exc.message
                 self._none_ready(entry.name)
             else:
-                entry.last_failure = exc.message
+                entry.last_failure, entry.reload_failures = exc.message, {}
             raise
         entry.last_failure = ""
+        entry.reload_failures = {}
         old = dict(entry.versions)
         fresh = {v: ServedVersion(entry.name, v, config=config) for v in wanted}
         for v, sv in fresh.items():
-            if v not in old:
+            if v not in old or old[v].state != ModelState.READY:
+                # nothing of this version serves (new, unloaded, failed): the index and requests see it LOADING
                 entry.versions[v] = sv
         entry.state, entry.reason = ModelState.LOADING, ""
         errors = await asyncio.gather(*(self._load_version(sv, model_dir) for sv in fresh.values()))
@@ -363,26 +368,28 @@ class ModelRegistry:
                 # sees it (and with --engines N, one process that failed makes the merged series 0)
                 self.metrics.model_ready.labels(model=entry.name, version=sv.label).set(0)
         loaded = any(sv.state == ModelState.READY for sv in fresh.values())
+        # The new copies serve from now, while the old ones drain: a chunk of an old stream reaching a new copy
+        # (the same version's, or, unversioned, the new latest one's) is told why its stream ends, not that it
+        # never started; once an old copy has drained, the endings it added meanwhile are passed on too.
+        stores = [sv.streams for v, sv in fresh.items() if entry.versions.get(v) is sv and sv.streams is not None]
         for v, previous in old.items():
             if v not in fresh:
                 # outside the policy now (or its folder is gone): retired once the new versions serve; a failed
                 # reload leaves the versions that served before serving, and unloaded or failed ones go
                 if loaded or previous.state != ModelState.READY:
+                    _pass_endings(previous, stores, live=True)
                     await self._remove(entry, v)
+                    _pass_endings(previous, stores)
             elif entry.versions.get(v) is not previous:
-                streams = entry.versions[v].streams
-                if streams is not None and previous.streams is not None:
-                    # the new copy serves from now, while the old one drains: a chunk of an old stream reaching
-                    # it meanwhile is told why its stream ends, not that it never started
-                    streams.adopt_endings(previous.streams, live_why=_ended_by_reload(previous))
+                _pass_endings(previous, stores, live=True)
                 await self._retire(previous, drain=True, forget=False)
-                if streams is not None and previous.streams is not None:
-                    streams.adopt_endings(previous.streams)
+                _pass_endings(previous, stores)
         ok = any(sv.state == ModelState.READY for sv in entry.versions.values())
         entry.state = ModelState.READY if ok else ModelState.UNAVAILABLE
         entry.reason = "" if ok else "; ".join(e.message for e in failures)
-        # versions whose new copy failed while an earlier one serves: the index says so beside the READY rows
-        entry.last_failure = "; ".join(e.message for e in failures) if ok else ""
+        # versions whose new copy failed while an earlier one serves: the index says so beside those READY rows
+        entry.reload_failures = {v: err.message for v, err in zip(fresh, errors)
+                                 if err is not None and entry.versions[v] is not fresh[v]}
         if failures:
             raise failures[0]
 
@@ -458,6 +465,10 @@ class ModelRegistry:
             entry.state, entry.reason = ModelState.UNAVAILABLE, "unloaded"
             log.info("model %s unloaded (versions %s)", name, ", ".join(str(v) for v in sorted(entry.versions)) or
                      "none")
+        if not (self.repository / name).is_dir():
+            # deleted, then unloaded: gone now, with every series (an alert on rnnserve_model_ready == 0 kept
+            # firing, and its metadata said 503 "not ready", until something asked for the index)
+            await self._forget_removed(name)
 
     async def _retire(self, sv: ServedVersion, drain: bool, forget: bool = True) -> None:
         """Stop serving ``sv``; ``forget``: set it not ready and drop its other gauges (not when a reload's new
@@ -488,6 +499,14 @@ class ModelRegistry:
         sv.model = None
         if was_serving:
             sv.state = ModelState.UNAVAILABLE
+
+
+def _pass_endings(previous: ServedVersion, stores: list[StreamStore], live: bool = False) -> None:
+    """Tell a reload's new stream stores why ``previous``'s streams ended (``live``: its live ones too, as ending
+    by this reload)."""
+    if previous.streams is not None:
+        for store in stores:
+            store.adopt_endings(previous.streams, live_why=_ended_by_reload(previous) if live else "")
 
 
 def _ended_by_reload(sv: ServedVersion) -> str:

@@ -181,6 +181,47 @@ async def test_load_and_unload_reach_every_engine_process(two_engines):
     assert ("lstm", "2", "READY") in [(r["name"], r["version"], r["state"]) for r in index]
 
 
+class _OrderedShard:
+    """An engine process as one front-end reaches it: its repository operations arrive after ``delay``."""
+
+    def __init__(self, arrivals: list[str], delay: float) -> None:
+        self.arrivals, self.delay = arrivals, delay
+
+    async def load_model(self, name: str) -> None:
+        await asyncio.sleep(self.delay)
+        self.arrivals.append("load")
+
+    async def unload_model(self, name: str) -> None:
+        await asyncio.sleep(self.delay)
+        self.arrivals.append("unload")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("caller_leaves", [False, True])
+async def test_a_load_and_an_unload_from_two_front_ends_reach_every_engine_process_in_one_order(tmp_path,
+                                                                                               caller_leaves):
+    """Front-end A reaches engine process 0 first, B reaches 1 first: without the lock process 0 saw load, unload
+    and process 1 unload, load (the model served by one process and unloaded in the other). A caller that leaves
+    (cancelled) must not let the other front-end in while its operation still runs."""
+    first, second = [], []
+    a = ShardedDataPlane([_OrderedShard(first, 0.0), _OrderedShard(second, 0.05)], lock_folder=str(tmp_path))
+    b = ShardedDataPlane([_OrderedShard(first, 0.05), _OrderedShard(second, 0.0)], lock_folder=str(tmp_path))
+    load = asyncio.ensure_future(a.load_model("lstm"))
+    await asyncio.sleep(0.01)
+    if caller_leaves:
+        load.cancel()
+    await b.unload_model("lstm")
+    await asyncio.gather(load, return_exceptions=True)
+    assert first == second == ["load", "unload"]
+    # another model's operations do not wait for this one's
+    third = []
+    c = ShardedDataPlane([_OrderedShard(third, 0.2)], lock_folder=str(tmp_path))
+    slow = asyncio.ensure_future(c.load_model("lstm"))
+    await asyncio.sleep(0.01)
+    await asyncio.wait_for(a.unload_model("gru"), 0.15)
+    await slow
+
+
 async def _max_tick_gap(stop: asyncio.Event) -> float:
     """The longest time this event loop went without running a 5 ms ticker, until ``stop``."""
     gap, last = 0.0, time.perf_counter()
@@ -290,8 +331,13 @@ def test_merged_index_shows_a_version_not_ready_in_one_process_with_its_reason()
     broken = {"name": "m", "version": "1", "state": "UNAVAILABLE", "reason": "out of memory"}
     other = {"name": "a", "version": "3", "state": "READY", "reason": ""}
     assert merge_indexes([[ready, other], [broken, other]]) == [
-        other, {**broken, "reason": "engine process 1: out of memory"}]
+        other, {**broken, "reason": "engine process 1: out of memory (READY in engine process 0)"}]
     assert merge_indexes([[ready], [ready]]) == [ready]
+    # not READY in process 0 and READY in 1: the row said plain "unloaded", as if every process agreed
+    unloaded = {**broken, "reason": "unloaded"}
+    assert merge_indexes([[unloaded], [ready], [unloaded]]) == [
+        {**unloaded, "reason": "engine process 0: unloaded (READY in engine process 1)"}]
+    assert merge_indexes([[unloaded], [broken]]) == [unloaded]  # not ready anywhere: the first process's row
 
 
 def test_stream_chunks_with_bad_parameters_are_not_streams():
