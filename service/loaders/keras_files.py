@@ -34,7 +34,7 @@ from .source import what_file_is
 RECURRENT = ("LSTM", "GRU", "SimpleRNN", "CuDNNLSTM", "CuDNNGRU")
 # Layers that pass a sequence through unchanged at inference time.
 TRANSPARENT = {"InputLayer", "Masking", "Dropout", "SpatialDropout1D", "GaussianNoise", "GaussianDropout",
-               "AlphaDropout", "ActivityRegularization"}
+               "AlphaDropout", "ActivityRegularization", "Identity"}
 _MODELS = {"Sequential", "Functional", "Model"}
 _ROLES = ("kernel", "recurrent_kernel", "bias")
 
@@ -360,6 +360,7 @@ def config_layers(config: dict[str, Any], fname: str, nested: bool = False) -> l
     if cls not in _MODELS and not entries:
         entries = [config]  # a single layer saved on its own
     functional = cls not in ("Sequential",) and any("inbound_nodes" in e for e in entries)
+    entries = [_linear_as_identity(e) if isinstance(e, dict) else e for e in entries]
     layers: list[KerasLayer] = []
     by_name: dict[str, dict] = {}
     prev = ""
@@ -415,6 +416,15 @@ def _layer(ecls: str, cfg: dict[str, Any], name: str) -> KerasLayer:
     return KerasLayer(name, inner.get("class_name", "?"), True, configs,
                       wrapper={"class_name": "Bidirectional", **{k: v for k, v in cfg.items()
                                                                 if k not in ("layer", "backward_layer")}})
+
+
+def _linear_as_identity(entry: dict[str, Any]) -> dict[str, Any]:
+    """``Activation("linear")`` as the ``Identity`` layer it is (a no-op, often where a normalisation layer is
+    switched off by configuration): it was refused between two recurrent layers as breaking the chain."""
+    cfg = entry.get("config")
+    if entry.get("class_name") == "Activation" and isinstance(cfg, dict) and cfg.get("activation") == "linear":
+        return {**entry, "class_name": "Identity"}
+    return entry
 
 
 def _model_output(entry: dict[str, Any], inner: list[KerasLayer]) -> str:

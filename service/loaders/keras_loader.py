@@ -260,6 +260,8 @@ def _check_chain(kfile: KerasFile, chosen: list[KerasLayer], explicit: bool) -> 
         if cfg.get("go_backwards") and not a.bidirectional:
             refuse(f"layer '{a.name}' has go_backwards=True, so Keras hands '{b.name}' its outputs in reversed "
                    f"time order, which rnnserve's reverse blocks do not do")
+        if a.wrapper and a.wrapper.get("merge_mode", "concat") != "concat":
+            continue  # its width is not its directions' sum; the layer's mapping refuses it, naming its merge_mode
         wa = a.weights[0]["recurrent_kernel"].shape[0] * len(a.weights)
         wb = b.weights[0]["kernel"].shape[0]
         if wa != wb:

@@ -20,8 +20,26 @@ from ..errors import ConversionError
 from .source import what_file_is
 
 RECURRENT_OPS = ("LSTM", "GRU", "RNN")
-# Ops that move or relabel data without changing values.
+# Ops that move or relabel data without changing values (a Cast only to float or double: see keeps_values).
 SHAPE_OPS = ("Transpose", "Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatten", "Dropout", "Cast")
+# Cast targets that keep the values a recurrent node reads (from double, as the served engine rounds them too)
+_KEEPING_CASTS = (TensorProto.FLOAT, TensorProto.DOUBLE)
+
+
+def keeps_values(node: NodeProto) -> bool:
+    """Whether ``node`` only moves or relabels data: a shape op, a Cast only when to float or double. A Cast to an
+    integer, bool or 16-bit float type rounds: X -> Cast(INT32) -> Cast(FLOAT) -> LSTM converted as if the casts
+    were not there, and the served answers were off by 0.4."""
+    if node.op_type not in SHAPE_OPS:
+        return False
+    return node.op_type != "Cast" or _cast_target(node) in _KEEPING_CASTS
+
+
+def _cast_target(node: NodeProto) -> int | None:
+    for a in node.attribute:
+        if a.name == "to":
+            return a.i
+    return None
 # Ops whose output is a constant when every input is one; folded with onnx's reference evaluator.
 FOLDABLE_OPS = SHAPE_OPS + (
     "Concat", "Slice", "Split", "Gather", "Constant", "ConstantOfShape", "Expand", "Tile", "Mul", "Add", "Sub",
@@ -82,11 +100,12 @@ class GraphIndex:
         self.static_dims: dict[str, list[int | None]] = {}  # value -> its dims where the file states them
         self._input_values: set[str] | None = None
         self._inferred = False
+        self.enclosing: dict[int, NodeProto] = {}  # id(node) -> the node (If, Loop, Scan) whose subgraph holds it
         self._walk(model.graph)
         self.graph_inputs -= set(self.initializers)
         self._name_nodes()
 
-    def _walk(self, graph: onnx.GraphProto) -> None:
+    def _walk(self, graph: onnx.GraphProto, owner: NodeProto | None = None) -> None:
         for init in graph.initializer:
             self.initializers.setdefault(init.name, init)
         for sparse in graph.sparse_initializer:
@@ -96,13 +115,15 @@ class GraphIndex:
         self._read_dims(graph)
         for node in graph.node:
             self.nodes.append(node)
+            if owner is not None:
+                self.enclosing[id(node)] = owner
             for k, out in enumerate(node.output):
                 if out:
                     self.producer.setdefault(out, (node, k))
             for inp in node.input:
                 self.consumers.setdefault(inp, []).append(node)
             for sub in _subgraphs(node):
-                self._walk(sub)
+                self._walk(sub, node)
 
     def _name_nodes(self) -> None:
         """Unnamed nodes are called ``<op>_<k>``, k counting nodes of that op type in graph order."""
@@ -273,7 +294,7 @@ class GraphIndex:
         input or initializer, which of the node's outputs it is)."""
         while name in self.producer:
             node, k = self.producer[name]
-            if node.op_type not in SHAPE_OPS or not node.input:
+            if not keeps_values(node) or not node.input:
                 return name, node, k
             name = node.input[0]
         return name, None, 0
@@ -322,7 +343,7 @@ class GraphIndex:
             node, k = self.producer[name]
             if node.op_type in RECURRENT_OPS and node.domain in ("", "ai.onnx"):
                 return Traced(node, ops[::-1]) if k == 0 else None
-            if node.op_type not in SHAPE_OPS or not node.input:
+            if not keeps_values(node) or not node.input:
                 return None
             ops.append(node)
             name = node.input[0]

@@ -17,7 +17,7 @@ from onnx import NodeProto, TensorProto, helper, numpy_helper
 from ..errors import ConversionError
 from .onnx_chain import find_edges, order_chain, recurrent_nodes
 from .onnx_file_check import session_options, whole_file_check
-from .onnx_graph import SHAPE_OPS, GraphIndex, read_model
+from .onnx_graph import GraphIndex, keeps_values, read_model
 from .onnx_nodes import node_to_layer
 from .onnx_state_check import StateClaim
 from .source import LoadedSource, SourceRunner, unserved_note
@@ -49,6 +49,7 @@ def load_onnx(path: Path, select: str | None = None, cell: str | None = None, **
         raise ConversionError(f"'{path.name}' has no LSTM, GRU or RNN node (its ops: {', '.join(ops[:12])}){hint}")
     chosen = _select(index, candidates, select) if select else candidates
     chain = order_chain(index, chosen, find_edges(index, chosen))
+    _refuse_repeated(index, chain)
     notes: list[str] = []
     claims: list[StateClaim] = []
     layers = [node_to_layer(index, node, notes, claims) for node in chain]
@@ -66,6 +67,11 @@ def load_onnx(path: Path, select: str | None = None, cell: str | None = None, **
     if not stack_is_graph:
         notes.append(unserved_note("the recurrent stack " + " -> ".join(index.name(n) for n in chain), "graph",
                                    ", ".join(others) or "other recurrent nodes"))
+    before = index.first_other_op(chain[0].input[0]) if chain[0].input else None
+    if before is not None:
+        # the client sends what X reads, not the graph's input: say which op makes it (a Cast to int rounds)
+        notes.append(f"node '{index.name(chain[0])}' reads its input X from {before}, not from a graph input as "
+                     f"it is: send as 'input' what {before} computes")
     producer = model_producer(index)
     return LoadedSource(
         format="onnx",
@@ -81,13 +87,30 @@ def load_onnx(path: Path, select: str | None = None, cell: str | None = None, **
     )
 
 
+def _refuse_repeated(index: GraphIndex, chain: list[NodeProto]) -> None:
+    """ConversionError for a recurrent node inside a Loop or Scan body: the file applies it once per iteration
+    (the same weights M times), the served stack once. It was served with only a note that the graph also has a
+    Loop, and its answers were unlike the file's."""
+    for node in chain:
+        owner = index.enclosing.get(id(node))
+        while owner is not None and owner.op_type not in ("Loop", "Scan"):
+            owner = index.enclosing.get(id(owner))
+        if owner is not None:
+            raise ConversionError(
+                f"node '{index.name(node)}' is inside the body of {owner.op_type} '{index.name(owner)}', which "
+                f"applies it once per iteration; rnnserve serves a recurrent stack applied once. Export the model "
+                f"with the repeated layers unrolled into a stack of nodes, or select other nodes with --select")
+
+
 def _computes_on_values(node: NodeProto, upstream: set[str]) -> bool:
     """Whether ``node`` changes what it is given, as opposed to moving values (shape ops) or computing shapes.
     Gather, Slice, Expand and Concat do either: on a graph input's values on their way to the stack's X
     (``upstream``) they change what the stack reads (reversing time, dropping steps); elsewhere they compute shapes,
     split initial states per layer (what h_0/c_0 give), or join the stack's final states into h_n, which rnnserve
     serves."""
-    if node.op_type in SHAPE_OPS or node.op_type in ("Constant", "Shape", "ConstantOfShape"):
+    if keeps_values(node) or node.op_type in ("Constant", "Shape", "ConstantOfShape", "Cast"):
+        # a Cast that rounds (to an integer or float16) does change values; but with no other op the graph is
+        # still the stack, and the whole-file check then compares its outputs (it refuses the rounding)
         return False
     if node.op_type in ("Gather", "Slice", "Expand"):
         return bool(node.input) and node.input[0] in upstream

@@ -169,6 +169,13 @@ def _read_state_dict(path: Path, mmap: bool) -> TensorFile:
         obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        if found and found.group(1) == "torch.ScriptObject":
+            # what a quantized module's state dict holds: the advice below (save the state dict) is what was done
+            raise ConversionError(
+                f"'{path.name}' holds TorchScript objects (torch.ScriptObject), as the state dict of a quantized "
+                f"model does (torch.ao.quantization.quantize_dynamic packs an LSTM's weights so); rnnserve serves "
+                f"float weights: save the state dict of the model from before quantizing, and convert that (rnnserve "
+                f"can store it as float16 with --dtype float16)") from exc
         if found:
             raise ConversionError(
                 f"'{path.name}' holds pickled Python objects, not only tensors (it contains {found.group(1)}); "

@@ -109,7 +109,11 @@ def _state_forms(y: np.ndarray, h: np.ndarray, c: np.ndarray | None) -> list[tup
     """What an archive returns from the last layer's states, as served: the last step ``out[:, -1]``, the final
     states ``h`` [D, B, Ho] (and ``c``), each direction's ``h[d]``, and both directions' side by side
     (``cat(h[-2], h[-1])``, a bidirectional classifier's input: rnnserve's output_last)."""
-    forms = [("last step", y[:, -1]), ("h_n", h), *((f"h_n[{d}]", h[d]) for d in range(h.shape[0]))]
+    # bidirectional: out[:, -1] is not output_last, whose reverse half is the reverse direction's last state (it
+    # read every step) where out[:, -1]'s has read one; the message said "last step" as if output_last matched
+    last = "output_last, at full length" if h.shape[0] == 1 else \
+        "output[:, -1], the output's last step, not output_last (whose reverse half is the first step's)"
+    forms = [(last, y[:, -1]), ("h_n", h), *((f"h_n[{d}]", h[d]) for d in range(h.shape[0]))]
     if h.shape[0] == 2:
         forms.append(("both directions' final states", np.concatenate([h[0], h[1]], axis=1)))
     if c is not None:

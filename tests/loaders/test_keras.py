@@ -147,6 +147,30 @@ def test_weights_of_other_layers_are_noted(tmp_path, fmt):
     assert len(unserved) == 1 and "'head'" in unserved[0] and "dropout" not in unserved[0].lower()
 
 
+@pytest.mark.parametrize("middle", ["identity", "linear"])
+def test_no_op_layers_between_recurrent_layers_keep_one_stack(tmp_path, middle):
+    """Identity() and Activation("linear") compute nothing, as Dropout at inference: they were refused between two
+    recurrent layers as breaking the chain. A Functional model too, and the answers are Keras's."""
+    make = {"identity": lambda: L.Identity(), "linear": lambda: L.Activation("linear")}[middle]
+    model = keras.Sequential([keras.Input((None, I)), L.LSTM(5, return_sequences=True), make(),
+                              L.GRU(4, return_sequences=True)])
+    randomize(model)
+    x = batch()
+    for fmt in ("keras", "h5"):
+        packed = convert(save(model, tmp_path, fmt))
+        assert len(packed.spec.blocks) == 2 and not any("not serve" in n for n in packed.provenance["notes"])
+        close(ours(packed, x), kout(model, x))
+    inp = keras.Input((None, I))
+    functional = keras.Model(inp, L.GRU(4, return_sequences=True)(make()(L.LSTM(5, return_sequences=True)(inp))))
+    randomize(functional, seed=3)
+    close(ours(convert(save(functional, tmp_path, "keras", "f")), x), kout(functional, x))
+    # another activation does compute: still refused between the layers
+    other = keras.Sequential([keras.Input((None, I)), L.LSTM(5, return_sequences=True), L.Activation("relu"),
+                              L.GRU(4, return_sequences=True)])
+    with pytest.raises(ConversionError):
+        convert(save(other, tmp_path, "keras", "r"))
+
+
 @pytest.mark.parametrize("reset_after", [True, False])
 @pytest.mark.parametrize("wrap", [False, True])
 def test_gru_without_bias(tmp_path, reset_after, wrap):
@@ -283,6 +307,11 @@ def test_refusals_from_model_config(tmp_path):
     m = keras.Sequential([keras.Input((None, I)), L.Bidirectional(L.LSTM(3, return_sequences=True), merge_mode="sum")])
     with pytest.raises(ConversionError, match="merge_mode='sum'.*merge_mode='concat'"):
         convert(save(m, tmp_path, "keras"))
+    # with a layer after it: said "takes 3 features but 'bidirectional' produces 6" (sum gives 3)
+    m = keras.Sequential([keras.Input((None, I)), L.Bidirectional(L.LSTM(3, return_sequences=True), merge_mode="sum"),
+                          L.LSTM(3)])
+    with pytest.raises(ConversionError, match="merge_mode='sum'.*merge_mode='concat'"):
+        convert(save(m, tmp_path, "keras", "sum2"))
     m = keras.Sequential([keras.Input((None, I)), L.LSTM(3, go_backwards=True, return_sequences=True), L.LSTM(3)])
     with pytest.raises(ConversionError, match="'lstm.*' has go_backwards=True.*reversed time order"):
         convert(save(m, tmp_path, "keras", "gb"))

@@ -668,6 +668,61 @@ def test_whole_file_outputs_are_compared_with_the_converted_model(tmp_path):
     assert convert(path).provenance["verification"]["whole_file"] == {"ran": True, "compared": []}
 
 
+def test_a_cast_that_rounds_is_not_passed_over_as_a_shape_op(tmp_path):
+    """A Cast to int and back changes values. Passed over as a shape op, X -> Cast(INT32) -> Cast(FLOAT) -> LSTM
+    -> MatMul converted as if the casts were not there (the head kept the whole file from being compared), and
+    served answers 0.4 off; between two LSTMs the same made them one stack. A Cast to float keeps values."""
+    head = numpy_helper.from_array(np.ones((3, 2), np.float32), "head")
+    to_int = [helper.make_node("Cast", ["X"], ["xi"], to=TensorProto.INT32),
+              helper.make_node("Cast", ["xi"], ["xf"], to=TensorProto.FLOAT)]
+    nodes = to_int + [helper.make_node("LSTM", ["xf", "W", "R", "B"], ["y", "yh"], hidden_size=3, name="l0"),
+                      helper.make_node("MatMul", ["yh", "head"], ["logits"])]
+    path = _save(tmp_path, nodes, _weights("", "LSTM", 4, 3) + [head], [_f("X", ["T", "N", 4])], [_f("logits")])
+    notes = convert(path).provenance["notes"]
+    assert any("node 'l0' reads its input X from Cast" in n and "send as 'input' what Cast" in n for n in notes), notes
+    # without the head the file's own outputs are compared, and refused
+    path = _save(tmp_path, nodes[:3], _weights("", "LSTM", 4, 3), [_f("X", ["T", "N", 4])], [_f("y")], name="s.onnx")
+    from service.errors import VerificationError
+    with pytest.raises(VerificationError, match="whole file 's.onnx' does not match"):
+        convert(path)
+    # between two nodes: two chains, not one stack
+    axes = numpy_helper.from_array(np.array([1], np.int64), "axes")
+    link = [helper.make_node("LSTM", ["X", "aW", "aR", "aB"], ["y0"], hidden_size=3, name="l0"),
+            helper.make_node("Squeeze", ["y0", "axes"], ["s0"]),
+            helper.make_node("Cast", ["s0"], ["ci"], to=TensorProto.BOOL),
+            helper.make_node("Cast", ["ci"], ["cf"], to=TensorProto.FLOAT),
+            helper.make_node("LSTM", ["cf", "bW", "bR", "bB"], ["y"], hidden_size=3, name="l1")]
+    inits = _weights("a", "LSTM", 4, 3) + _weights("b", "LSTM", 3, 3, seed=1) + [axes]
+    path = _save(tmp_path, link, inits, [_f("X", ["T", "N", 4])], [_f("y")], name="l.onnx")
+    with pytest.raises(ConversionError, match="not one stack: .*'l1' reads its input from Cast"):
+        convert(path)
+    # to float (here from double): the values as they are, one stack, no note
+    link[2:4] = [helper.make_node("Cast", ["s0"], ["ci"], to=TensorProto.DOUBLE),
+                 helper.make_node("Cast", ["ci"], ["cf"], to=TensorProto.FLOAT)]
+    path = _save(tmp_path, link, inits, [_f("X", ["T", "N", 4])], [_f("y")], name="f.onnx")
+    model = convert(path)
+    assert len(model.provenance["selection"]) == 2 and not any("Cast" in n for n in model.provenance["notes"])
+
+
+def test_a_recurrent_node_inside_a_loop_body_is_refused(tmp_path):
+    """The Loop applies the LSTM 3 times; it was served applied once, with only a note that the graph has a Loop."""
+    h = 4
+    body = helper.make_graph(
+        [helper.make_node("LSTM", ["xin", "W", "R"], ["yl"], hidden_size=h, name="lb"),
+         helper.make_node("Squeeze", ["yl", "ax"], ["xo"]), helper.make_node("Identity", ["c_in"], ["c_out"])],
+        "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                 helper.make_tensor_value_info("c_in", TensorProto.BOOL, []), _f("xin")],
+        [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []), _f("xo")])
+    inits = _weights("", "LSTM", h, h)[:2] + [numpy_helper.from_array(np.array([1], np.int64), "ax"),
+                                              numpy_helper.from_array(np.array(3, np.int64), "M"),
+                                              numpy_helper.from_array(np.array(True), "go")]
+    loop = helper.make_node("Loop", ["M", "go", "X"], ["y"], body=body, name="repeat")
+    path = _save(tmp_path, [loop], inits, [_f("X", ["T", "N", h])], [_f("y")], opset=13)
+    with pytest.raises(ConversionError, match="node 'lb' is inside the body of Loop 'repeat', which applies it once "
+                                              "per iteration"):
+        convert(path)
+
+
 def test_a_file_onnxruntime_has_no_kernel_for_is_checked_on_its_nodes(tmp_path):
     """onnxruntime runs no recurrent node with layout=1: valid ONNX it lacks, so the rebuilt nodes carry the check."""
     w, r, b = _weights("", "LSTM", 4, 3)

@@ -1,6 +1,8 @@
 """The PyTorch loader: every file kind, module layout and bad input, checked against PyTorch's own output."""
 from __future__ import annotations
 
+import warnings
+
 import itertools
 import sys
 
@@ -384,7 +386,15 @@ def _bad_files(tmp_path):
     good = save_pt(tmp_path, mod.state_dict(), "good.pt").read_bytes()
     torch.save(mod, tmp_path / "whole.pt")
     safetensors.torch.save_file(mod.state_dict(), str(tmp_path / "good.safetensors"))
+    with warnings.catch_warnings():  # torch.ao.quantization is deprecated: what a user's older code still does
+        warnings.simplefilter("ignore")
+        quantized = torch.ao.quantization.quantize_dynamic(nn.Sequential(make("lstm")), {nn.LSTM}, dtype=torch.qint8)
+        torch.save(quantized.state_dict(), tmp_path / "quantized.pt")
     return {
+        # its advice was "save the weights only: torch.save(model.state_dict())", which is what was done
+        "quantized": ((tmp_path / "quantized.pt").read_bytes(), "model.pt",
+                      r"holds TorchScript objects \(torch.ScriptObject\), as the state dict of a quantized model "
+                      r"does .*save the state dict of the model from before quantizing"),
         "whole_module": ((tmp_path / "whole.pt").read_bytes(), "model.pt",
                          r"'model.pt' holds pickled Python objects, not only tensors \(it contains torch.nn.modules.rnn"
                          r".LSTM\); rnnserve does not run code from model files. Save the weights only: "
@@ -404,7 +414,7 @@ def _bad_files(tmp_path):
     }
 
 
-BAD_FILE_CASES = ["whole_module", "tensor_not_dict", "truncated_pt", "truncated_safetensors", "garbage_safetensors",
+BAD_FILE_CASES = ["whole_module", "quantized", "tensor_not_dict", "truncated_pt", "truncated_safetensors", "garbage_safetensors",
                   "onnx_renamed", "hdf5_renamed", "empty", "pickle_garbage", "zip_not_torch"]
 
 
@@ -521,7 +531,10 @@ def test_an_archive_whose_code_does_more_than_its_modules_is_refused(tmp_path, m
     assert service.convert(path, verify=False).spec.blocks[0].num_layers == 1  # the user's choice, on purpose
 
 
-@pytest.mark.parametrize("module, compared", [(_LastStep, "forward() (last step, batch-first)"),
+# bidirectional: said "last step" as if output_last (whose reverse half is the first step's) matched
+@pytest.mark.parametrize("module, compared", [(_LastStep, "forward() (output[:, -1], the output's last step, not "
+                                                          "output_last (whose reverse half is the first step's), "
+                                                          "batch-first)"),
                                               (_TimeFirst, "forward()[0] (output, time-first)")])
 def test_an_archive_whose_forward_is_its_modules_is_compared_whole(tmp_path, module, compared):
     model = service.convert(_archive(tmp_path, module().eval(), "script"))
