@@ -159,9 +159,16 @@ def _stack_input(index: GraphIndex, first: NodeProto) -> str | None:
 
 
 def _from_last_node(index: GraphIndex, last: NodeProto, name: str) -> int | None:
-    """Which output (0 Y, 1 Y_h, 2 Y_c) of ``last`` the graph output ``name`` is, through shape-only ops."""
-    _, node, k = index.past_shape_ops(name)
-    return k if node is last else None
+    """Which output (0 Y, 1 Y_h, 2 Y_c) of ``last`` the graph output ``name`` is, through shape-only ops (any Cast
+    too, as for :func:`_stack_input`: a truncating one is then refused by the comparison)."""
+    while name in index.producer:
+        node, k = index.producer[name]
+        if node is last:
+            return k
+        if node.op_type not in SHAPE_OPS or not node.input:
+            return None
+        name = node.input[0]
+    return None
 
 
 def _picked_inputs(index: GraphIndex, chain: list[NodeProto], slots: tuple[int, ...]) -> set[str]:

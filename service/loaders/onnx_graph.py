@@ -20,19 +20,20 @@ from ..errors import ConversionError
 from .source import what_file_is
 
 RECURRENT_OPS = ("LSTM", "GRU", "RNN")
-# Ops that move or relabel data without changing values (a Cast only to float or double: see keeps_values).
+# Ops that move or relabel data without changing values (a Cast only to a float type: see keeps_values).
 SHAPE_OPS = ("Transpose", "Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatten", "Dropout", "Cast")
-# Cast targets that keep the values a recurrent node reads (from double, as the served engine rounds them too)
-_KEEPING_CASTS = (TensorProto.FLOAT, TensorProto.DOUBLE)
+# Cast targets that keep a float value a float: 16-bit ones round, which the whole-file check compares within
+# float16's tolerance (converters keep an fp16 file's recurrent nodes in float32 between such casts)
+_FLOAT_CASTS = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 
 def keeps_values(node: NodeProto) -> bool:
-    """Whether ``node`` only moves or relabels data: a shape op, a Cast only when to float or double. A Cast to an
-    integer, bool or 16-bit float type rounds: X -> Cast(INT32) -> Cast(FLOAT) -> LSTM converted as if the casts
-    were not there, and the served answers were off by 0.4."""
+    """Whether ``node`` only moves or relabels data: a shape op, a Cast only to a float type. A Cast to an integer
+    or bool type truncates: X -> Cast(INT32) -> Cast(FLOAT) -> LSTM -> head converted as if the casts were not
+    there, and the served answers were 0.4 off."""
     if node.op_type not in SHAPE_OPS:
         return False
-    return node.op_type != "Cast" or _cast_target(node) in _KEEPING_CASTS
+    return node.op_type != "Cast" or _cast_target(node) in _FLOAT_CASTS
 
 
 def _cast_target(node: NodeProto) -> int | None:

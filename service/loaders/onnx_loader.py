@@ -49,8 +49,8 @@ def load_onnx(path: Path, select: str | None = None, cell: str | None = None, **
         raise ConversionError(f"'{path.name}' has no LSTM, GRU or RNN node (its ops: {', '.join(ops[:12])}){hint}")
     chosen = _select(index, candidates, select) if select else candidates
     chain = order_chain(index, chosen, find_edges(index, chosen))
-    _refuse_repeated(index, chain)
     notes: list[str] = []
+    _check_repeated(index, chain, bool(select), notes)
     claims: list[StateClaim] = []
     layers = [node_to_layer(index, node, notes, claims) for node in chain]
     if cell:
@@ -60,18 +60,17 @@ def load_onnx(path: Path, select: str | None = None, cell: str | None = None, **
                                       f"{_node(chain, layer.name, index).op_type} ({layer.cell})")
     # ops that see only shapes (an exporter's arithmetic on Shape) compute nothing a client would have to apply
     flowing = index.input_values()
-    upstream = index.input_values(through_recurrent=False) & index.feeding(chain[0].input[0])
-    others = sorted({n.op_type for n in index.nodes if n.op_type not in ("LSTM", "GRU", "RNN")
-                     and any(o in flowing for o in n.output) and _computes_on_values(n, upstream)})
-    stack_is_graph = not others and len(candidates) == len(chain)
-    if not stack_is_graph:
+    before_stack = index.input_values(through_recurrent=False)
+    upstream = before_stack & index.feeding(chain[0].input[0])
+    data = upstream | (flowing - before_stack)  # what the stack reads as X, and what comes of its outputs
+    computing = [n for n in index.nodes if n.op_type not in ("LSTM", "GRU", "RNN")
+                 and any(o in flowing for o in n.output) and _computes_on_values(n, upstream, data)]
+    others = sorted({n.op_type for n in computing})
+    # truncating Casts alone leave the file's outputs those of the stack, cast: compared whole, and refused there
+    stack_is_graph = all(n.op_type == "Cast" for n in computing) and len(candidates) == len(chain)
+    if others or len(candidates) != len(chain):
         notes.append(unserved_note("the recurrent stack " + " -> ".join(index.name(n) for n in chain), "graph",
                                    ", ".join(others) or "other recurrent nodes"))
-    before = index.first_other_op(chain[0].input[0]) if chain[0].input else None
-    if before is not None:
-        # the client sends what X reads, not the graph's input: say which op makes it (a Cast to int rounds)
-        notes.append(f"node '{index.name(chain[0])}' reads its input X from {before}, not from a graph input as "
-                     f"it is: send as 'input' what {before} computes")
     producer = model_producer(index)
     return LoadedSource(
         format="onnx",
@@ -87,31 +86,38 @@ def load_onnx(path: Path, select: str | None = None, cell: str | None = None, **
     )
 
 
-def _refuse_repeated(index: GraphIndex, chain: list[NodeProto]) -> None:
-    """ConversionError for a recurrent node inside a Loop or Scan body: the file applies it once per iteration
-    (the same weights M times), the served stack once. It was served with only a note that the graph also has a
-    Loop, and its answers were unlike the file's."""
+def _check_repeated(index: GraphIndex, chain: list[NodeProto], selected: bool, notes: list[str]) -> None:
+    """A recurrent node inside a Loop or Scan body: the file applies it once per iteration (the same weights M
+    times), the served stack once. It was served with only a note that the graph also has a Loop, and its answers
+    were unlike the file's; now refused, unless picked with --select (a decoder's one-step LSTM that the client
+    drives itself), and then noted."""
     for node in chain:
         owner = index.enclosing.get(id(node))
         while owner is not None and owner.op_type not in ("Loop", "Scan"):
             owner = index.enclosing.get(id(owner))
-        if owner is not None:
+        if owner is None:
+            continue
+        where = (f"node '{index.name(node)}' is inside the body of {owner.op_type} '{index.name(owner)}', which "
+                 f"applies it once per iteration")
+        if not selected:
             raise ConversionError(
-                f"node '{index.name(node)}' is inside the body of {owner.op_type} '{index.name(owner)}', which "
-                f"applies it once per iteration; rnnserve serves a recurrent stack applied once. Export the model "
-                f"with the repeated layers unrolled into a stack of nodes, or select other nodes with --select")
+                f"{where}; rnnserve serves a recurrent stack applied once. To serve one application (a decoder "
+                f"step the client repeats, as requests or stream chunks), pick it with --select "
+                f"{index.name(node)}; else export the repeated layers as a stack of nodes")
+        notes.append(f"{where}: the served model is one application; repeat it yourself (one request, or stream "
+                     f"chunk, per iteration)")
 
 
-def _computes_on_values(node: NodeProto, upstream: set[str]) -> bool:
+def _computes_on_values(node: NodeProto, upstream: set[str], data: set[str]) -> bool:
     """Whether ``node`` changes what it is given, as opposed to moving values (shape ops) or computing shapes.
     Gather, Slice, Expand and Concat do either: on a graph input's values on their way to the stack's X
     (``upstream``) they change what the stack reads (reversing time, dropping steps); elsewhere they compute shapes,
     split initial states per layer (what h_0/c_0 give), or join the stack's final states into h_n, which rnnserve
     serves."""
-    if keeps_values(node) or node.op_type in ("Constant", "Shape", "ConstantOfShape", "Cast"):
-        # a Cast that rounds (to an integer or float16) does change values; but with no other op the graph is
-        # still the stack, and the whole-file check then compares its outputs (it refuses the rounding)
+    if keeps_values(node) or node.op_type in ("Constant", "Shape", "ConstantOfShape"):
         return False
+    if node.op_type == "Cast":  # to an integer or bool type: it truncates the data, not lengths (float lengths)
+        return any(o in data for o in node.output)
     if node.op_type in ("Gather", "Slice", "Expand"):
         return bool(node.input) and node.input[0] in upstream
     if node.op_type == "Concat":
