@@ -40,6 +40,7 @@ class EngineHost:
         # must not expire in that time (set before the models load, so every stream store gets it).
         self.dataplane.registry.stream_expiry_grace_s = 2 * WAITING_REPORT_S
         self.server = DataPlaneServer(self.dataplane, socket_path)
+        self._drain_timeout_s = settings.drain_timeout_s
         self._load: asyncio.Task | None = None
 
     async def listen(self) -> None:
@@ -58,7 +59,7 @@ class EngineHost:
             self._load.cancel()
             with contextlib.suppress(BaseException):
                 await self._load
-        await self.server.stop()
+        await self.server.stop(self._drain_timeout_s)
         await self.dataplane.stop(drain=True)
 
 

@@ -150,8 +150,9 @@ async def serve_with_frontends(settings: ServeSettings, stop_event: asyncio.Even
             http_listener.close()
     finally:
         await stop_children(frontends, settings.drain_timeout_s)  # first: their requests still reach the engines
-        await stop_children(engines, settings.drain_timeout_s)
-        await host.stop()
+        # together: each finishes what its front-ends sent within the drain timeout (one after another, a load
+        # still building held the server three timeouts)
+        await asyncio.gather(stop_children(engines, settings.drain_timeout_s), host.stop())
         remove_stop_handlers()
         shutil.rmtree(folder, ignore_errors=True)
         for claim in claims:

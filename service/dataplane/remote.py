@@ -104,13 +104,17 @@ class DataPlaneServer:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(self._connection, path=self.path)
 
-    async def stop(self) -> None:
-        """Stop listening; calls in flight finish first."""
+    async def stop(self, timeout: float | None = None) -> None:
+        """Stop listening; calls in flight finish first, for up to ``timeout`` seconds, and are then cancelled (a
+        load still building held a stopping server past its drain timeout for as long as the build took)."""
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
         if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            _, late = await asyncio.wait(set(self._tasks), timeout=timeout)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
 
     def _connection(self) -> FrameConnection:
         conn: FrameConnection

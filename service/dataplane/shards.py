@@ -32,7 +32,7 @@ from typing import Any, Sequence
 from ..errors import InvalidInput
 from ..metrics.merge import merge_expositions
 from .remote import RemoteDataPlane
-from .repository_lock import model_lock
+from .repository_lock import RepositoryLock
 from .statistics import merge_statistics
 from .types import InferRequest, InferResponse
 from .validation import stream_request
@@ -85,7 +85,7 @@ class ShardedDataPlane:
         if not shards:
             raise ValueError("ShardedDataPlane needs at least one engine process")
         self.shards = list(shards)
-        self._lock_folder = lock_folder
+        self._repository_lock = RepositoryLock(lock_folder) if lock_folder else None
         self._in_flight = [0] * len(self.shards)
         self._turn = 0
         self._draining = False
@@ -187,6 +187,7 @@ class ShardedDataPlane:
 
     async def _in_turn(self, method: str, name: str) -> list[Any]:
         """``method``'s result (or exception) in every engine process, holding the model's repository lock."""
-        async with model_lock(self._lock_folder, name) if self._lock_folder else contextlib.nullcontext():
+        lock = self._repository_lock
+        async with lock.hold(name) if lock is not None else contextlib.nullcontext():
             return await asyncio.gather(*(getattr(shard, method)(name) for shard in self.shards),
                                         return_exceptions=True)

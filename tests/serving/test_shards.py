@@ -8,6 +8,7 @@ which engine process ran what.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import tempfile
 import threading
@@ -220,6 +221,50 @@ async def test_a_load_and_an_unload_from_two_front_ends_reach_every_engine_proce
     await asyncio.sleep(0.01)
     await asyncio.wait_for(a.unload_model("gru"), 0.15)
     await slow
+
+
+@pytest.mark.asyncio
+async def test_one_front_ends_repository_requests_keep_their_order_and_files_stay_few(tmp_path):
+    """Waiters polled the lock file each on its own: a load whose client had left (still run, as it should be) could
+    run after the same client's later unload, each waiter held a descriptor, and every model name left a file."""
+    arrivals: list[str] = []
+    slow = ShardedDataPlane([_OrderedShard(arrivals, 0.05), _OrderedShard([], 0.05)], lock_folder=str(tmp_path))
+    first = asyncio.ensure_future(slow.load_model("lstm"))
+    await asyncio.sleep(0.01)
+    abandoned = asyncio.ensure_future(slow.load_model("lstm"))  # its client times out while it waits
+    await asyncio.sleep(0.01)
+    abandoned.cancel()
+    await slow.unload_model("lstm")
+    await asyncio.gather(first, abandoned, return_exceptions=True)
+    assert arrivals == ["load", "load", "unload"]
+    # fifty waiters behind a holder: one descriptor on the lock file (the holder's), not one each
+    held = asyncio.ensure_future(slow.load_model("lstm"))
+    await asyncio.sleep(0.01)
+    waiters = [asyncio.ensure_future(slow.unload_model("lstm")) for _ in range(50)]
+    await asyncio.sleep(0.02)
+    open_locks = [fd for fd in os.listdir("/proc/self/fd")
+                  if os.path.realpath(f"/proc/self/fd/{fd}").startswith(str(tmp_path))]
+    assert len(open_locks) == 1, open_locks
+    await asyncio.gather(held, *waiters)
+    many = ShardedDataPlane([_OrderedShard([], 0.0)], lock_folder=str(tmp_path))
+    await asyncio.gather(*(many.load_model(f"model-{k}") for k in range(300)))
+    assert 0 < len(list(tmp_path.iterdir())) <= 64
+    # the folder removed under a running server (a tmp cleaner): made again, loads go on
+    shutil.rmtree(tmp_path)
+    await many.unload_model("lstm")
+    assert tmp_path.is_dir()
+
+
+@pytest.mark.asyncio
+async def test_a_stopping_engine_process_waits_for_calls_in_flight_only_up_to_the_drain_timeout(tmp_path):
+    """A load still building held a stopping multi-process server past --drain-timeout-s for as long as the build
+    took (40 s in the probe that found it); past the timeout the call is cancelled."""
+    server = DataPlaneServer(None, str(tmp_path / "s.sock"))
+    await server.start()
+    building = asyncio.ensure_future(asyncio.sleep(60))
+    server._tasks.add(building)  # a call in flight, as _connection registers them
+    await asyncio.wait_for(server.stop(0.1), 5)
+    assert building.cancelled()
 
 
 async def _max_tick_gap(stop: asyncio.Event) -> float:
