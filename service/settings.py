@@ -153,7 +153,7 @@ class ServeSettings(BaseSettings):
                     "default made a 1.4 ms batch take 126 ms on an H200 (bench/batch_path.py). Front-end processes: "
                     "gRPC's poller thread needs the GIL for every call it completes.",
     )
-    drain_timeout_s: FiniteFloat = Field(30.0, ge=0, le=MAX_SECONDS, description="On SIGTERM/SIGINT, how long in-flight requests may finish.")
+    drain_timeout_s: FiniteFloat = Field(30.0, ge=0, le=MAX_SECONDS, description="On SIGTERM/SIGINT, how long in-flight requests may finish (with --frontends or --engines: the front-ends first, then the engine processes for as long again).")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
 
     @field_validator("repository", mode="before")
