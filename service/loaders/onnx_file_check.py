@@ -26,7 +26,7 @@ import numpy as np
 from onnx import NodeProto
 
 from ..errors import VerificationError
-from .onnx_graph import SHAPE_OPS, GraphIndex
+from .onnx_graph import GraphIndex
 from .onnx_nodes import value_op
 from .onnx_state_check import StateClaim, check_state_claims, unchecked_claims
 from .verify import last_line, runtime_lacks_kernel
@@ -149,26 +149,15 @@ def _stack_input(index: GraphIndex, first: NodeProto) -> str | None:
     """The graph input that reaches the first recurrent node's X through shape-only ops, or None. Any Cast counts
     here, a rounding one too (to an integer or float16): fed that input, the file's outputs show the rounding,
     and the comparison refuses it."""
-    name = first.input[0]
-    while name in index.producer:
-        node, _ = index.producer[name]
-        if node.op_type not in SHAPE_OPS or not node.input:
-            return None
-        name = node.input[0]
-    return name if name in index.graph_inputs else None
+    name, node, _ = index.past_shape_ops(first.input[0], any_cast=True)
+    return name if node is None and name in index.graph_inputs else None
 
 
 def _from_last_node(index: GraphIndex, last: NodeProto, name: str) -> int | None:
     """Which output (0 Y, 1 Y_h, 2 Y_c) of ``last`` the graph output ``name`` is, through shape-only ops (any Cast
     too, as for :func:`_stack_input`: a truncating one is then refused by the comparison)."""
-    while name in index.producer:
-        node, k = index.producer[name]
-        if node is last:
-            return k
-        if node.op_type not in SHAPE_OPS or not node.input:
-            return None
-        name = node.input[0]
-    return None
+    _, node, k = index.past_shape_ops(name, any_cast=True)
+    return k if node is last else None
 
 
 def _picked_inputs(index: GraphIndex, chain: list[NodeProto], slots: tuple[int, ...]) -> set[str]:

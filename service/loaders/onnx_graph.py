@@ -290,12 +290,14 @@ class GraphIndex:
                 todo.extend(self.producer[value][0].input)
         return seen
 
-    def past_shape_ops(self, name: str) -> tuple[str, NodeProto | None, int]:
+    def past_shape_ops(self, name: str, any_cast: bool = False) -> tuple[str, NodeProto | None, int]:
         """Where ``name`` comes from past shape-only ops: (that value, the node producing it or None for a graph
-        input or initializer, which of the node's outputs it is)."""
+        input or initializer, which of the node's outputs it is). ``any_cast``: past truncating Casts too (the
+        whole-file check, whose comparison then shows what they change)."""
         while name in self.producer:
             node, k = self.producer[name]
-            if not keeps_values(node) or not node.input:
+            passes = node.op_type in SHAPE_OPS if any_cast else keeps_values(node)
+            if not passes or not node.input:
                 return name, node, k
             name = node.input[0]
         return name, None, 0
