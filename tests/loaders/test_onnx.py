@@ -888,6 +888,22 @@ def test_a_float16_file_says_its_whole_file_check_was_within_float16_rounding(tm
     assert whole["ran"] and whole["compared"] and whole["within"] == "float16's rounding (rtol 0.01, atol 0.01)", whole
 
 
+def test_a_float16_file_with_float32_inputs_and_outputs_is_checked_within_float16_rounding(tmp_path):
+    """onnxconverter-common's float16 conversion with keep_io_types (its recommended form) keeps float32 graph inputs
+    and outputs around float16 nodes: X -> Cast(FLOAT16) -> LSTM -> Cast(FLOAT). The file computes in float16, so its
+    outputs differ from the converted model by float16's rounding; it was refused as not matching."""
+    w, r, b = _weights("", "LSTM", 4, 3)
+    half = [numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float16), t.name) for t in (w, r, b)]
+    axes = numpy_helper.from_array(np.array([1], np.int64), "axes")
+    nodes = [helper.make_node("Cast", ["X"], ["x16"], to=TensorProto.FLOAT16),
+             helper.make_node("LSTM", ["x16", "W", "R", "B"], ["y"], hidden_size=3),
+             helper.make_node("Squeeze", ["y", "axes"], ["s"]),
+             helper.make_node("Cast", ["s"], ["out"], to=TensorProto.FLOAT)]
+    path = _save(tmp_path, nodes, half + [axes], [_f("X", ["T", "N", 4])], [_f("out")])
+    whole = convert(path).provenance["verification"]["whole_file"]
+    assert whole == {"ran": True, "compared": ["out"], "within": "float16's rounding (rtol 0.01, atol 0.01)"}, whole
+
+
 def _i64(name, values):
     return numpy_helper.from_array(np.array(values, np.int64), name)
 
