@@ -54,7 +54,8 @@ def merge_indexes(indexes: Sequence[list[dict]]) -> list[dict]:
 
     Where the processes disagree (a load that failed in one, out of memory), the row is the first process's
     that is not READY, its reason naming that process, and the processes where it is READY: whichever process
-    holds which state, the index must not read as if every process agreed.
+    holds which state, the index must not read as if every process agreed. A version READY in some processes
+    and not listed by another is UNAVAILABLE, its reason naming the process that lacks it.
     """
     seen: dict[tuple[str, str], list[tuple[int, dict]]] = {}
     for k, index in enumerate(indexes):
@@ -63,12 +64,20 @@ def merge_indexes(indexes: Sequence[list[dict]]) -> list[dict]:
     rows = []
     for copies in seen.values():
         ready = [k for k, row in copies if row["state"] == "READY"]
-        if not ready or len(ready) == len(copies):
+        if not ready or len(ready) == len(indexes):
             rows.append(dict(copies[0][1]))
             continue
-        k, row = next((k, row) for k, row in copies if row["state"] != "READY")
+        where = f"READY in engine process {', '.join(map(str, ready))}"
+        other = next(((k, row) for k, row in copies if row["state"] != "READY"), None)
+        if other is None:  # READY where it is listed, and not listed by another process at all
+            k = next(k for k in range(len(indexes)) if k not in ready)
+            row = copies[0][1]
+            rows.append({**row, "state": "UNAVAILABLE",
+                         "reason": f"engine process {k} does not have this version ({where})"})
+            continue
+        k, row = other
         reason = f"engine process {k}: {row['reason']}" if row["reason"] else f"engine process {k}"
-        rows.append({**row, "reason": f"{reason} (READY in engine process {', '.join(map(str, ready))})"})
+        rows.append({**row, "reason": f"{reason} ({where})"})
     return sorted(rows, key=lambda r: (r["name"], _version_order(r["version"])))
 
 

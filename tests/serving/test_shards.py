@@ -383,6 +383,10 @@ def test_merged_index_shows_a_version_not_ready_in_one_process_with_its_reason()
     assert merge_indexes([[unloaded], [ready], [unloaded]]) == [
         {**unloaded, "reason": "engine process 0: unloaded (READY in engine process 1)"}]
     assert merge_indexes([[unloaded], [broken]]) == [unloaded]  # not ready anywhere: the first process's row
+    # READY in process 0 and not listed by process 1 (its scan missed the folder): the row read READY
+    assert merge_indexes([[ready, other], [other]]) == [
+        other, {**ready, "state": "UNAVAILABLE", "reason": "engine process 1 does not have this version (READY in "
+                                                           "engine process 0)"}]
 
 
 def test_stream_chunks_with_bad_parameters_are_not_streams():
