@@ -171,11 +171,8 @@ def _read_state_dict(path: Path, mmap: bool) -> TensorFile:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
         if found and found.group(1) == "torch.ScriptObject":
             # what a quantized module's state dict holds: the advice below (save the state dict) is what was done
-            raise ConversionError(
-                f"'{path.name}' holds TorchScript objects (torch.ScriptObject), as the state dict of a quantized "
-                f"model does (torch.ao.quantization.quantize_dynamic packs an LSTM's weights so); rnnserve serves "
-                f"float weights: save the state dict of the model from before quantizing, and convert that (rnnserve "
-                f"can store it as float16 with --dtype float16)") from exc
+            raise _quantized(path, "holds TorchScript objects (torch.ScriptObject), as the state dict of a quantized "
+                                   "model does") from exc
         if found:
             raise ConversionError(
                 f"'{path.name}' holds pickled Python objects, not only tensors (it contains {found.group(1)}); "
@@ -201,6 +198,9 @@ def _read_torchscript(path: Path) -> TensorFile:
                               f"({_first_line(exc)}); save it again with torch.jit.save") from exc
     modes: dict[str, str] = {}
     for name, sub in module.named_modules():
+        kind = _script_type(sub)
+        if ".quantized." in kind and kind.rpartition(".")[2] in _RECURRENT_CLASSES:
+            raise _quantized(path, f"is a quantized model (its '{name}' is {kind.removeprefix('__torch__.')})")
         try:
             mode = getattr(sub, "mode", None)
             if mode is None and getattr(sub, "nonlinearity", None) in ("tanh", "relu"):
@@ -212,6 +212,25 @@ def _read_torchscript(path: Path) -> TensorFile:
     tensors = dict(module.state_dict())
     _traced_rnn_modes(module, tensors, modes)
     return _torch_tensor_file("TorchScript", tensors, torch, modes=modes)
+
+
+_RECURRENT_CLASSES = ("LSTM", "GRU", "RNN", "LSTMCell", "GRUCell", "RNNCell")
+
+
+def _script_type(module: Any) -> str:
+    """A scripted or traced module's class, as TorchScript names it (mangling removed)."""
+    try:
+        name = module._c._type().qualified_name()
+    except Exception:  # noqa: BLE001 - private API: without it, the checks that need it are skipped
+        return ""
+    return re.sub(r"\.___torch_mangle_\d+", "", name)
+
+
+def _quantized(path: Path, what: str) -> ConversionError:
+    return ConversionError(
+        f"'{path.name}' {what}: torch.ao.quantization.quantize_dynamic packs an LSTM's weights into integers, and "
+        f"rnnserve serves float weights. Save the state dict of the model from before quantizing, and convert that "
+        f"(rnnserve can store it as float16 with --dtype float16)")
 
 
 def _traced_rnn_modes(module: Any, tensors: dict[str, Any], modes: dict[str, str]) -> None:

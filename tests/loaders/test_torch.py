@@ -390,11 +390,16 @@ def _bad_files(tmp_path):
         warnings.simplefilter("ignore")
         quantized = torch.ao.quantization.quantize_dynamic(nn.Sequential(make("lstm")), {nn.LSTM}, dtype=torch.qint8)
         torch.save(quantized.state_dict(), tmp_path / "quantized.pt")
+        torch.jit.script(quantized).save(str(tmp_path / "quantized_script.pt"))
     return {
         # its advice was "save the weights only: torch.save(model.state_dict())", which is what was done
         "quantized": ((tmp_path / "quantized.pt").read_bytes(), "model.pt",
                       r"holds TorchScript objects \(torch.ScriptObject\), as the state dict of a quantized model "
-                      r"does .*save the state dict of the model from before quantizing"),
+                      r"does: .*Save the state dict of the model from before quantizing"),
+        # it said "no recurrent weights" (its packed weights are no tensors)
+        "quantized_script": ((tmp_path / "quantized_script.pt").read_bytes(), "model.pt",
+                             r"'model.pt' is a quantized model \(its '0' is torch.ao.nn.quantized.dynamic.modules.rnn.LSTM\)"
+                             r": .*Save the state dict of the model from before quantizing"),
         "whole_module": ((tmp_path / "whole.pt").read_bytes(), "model.pt",
                          r"'model.pt' holds pickled Python objects, not only tensors \(it contains torch.nn.modules.rnn"
                          r".LSTM\); rnnserve does not run code from model files. Save the weights only: "
@@ -414,7 +419,7 @@ def _bad_files(tmp_path):
     }
 
 
-BAD_FILE_CASES = ["whole_module", "quantized", "tensor_not_dict", "truncated_pt", "truncated_safetensors", "garbage_safetensors",
+BAD_FILE_CASES = ["whole_module", "quantized", "quantized_script", "tensor_not_dict", "truncated_pt", "truncated_safetensors", "garbage_safetensors",
                   "onnx_renamed", "hdf5_renamed", "empty", "pickle_garbage", "zip_not_torch"]
 
 
