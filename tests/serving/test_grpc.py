@@ -546,6 +546,38 @@ def test_stream_through_tritonclient_keeps_order_and_survives_an_error(client, f
     assert fresh.max_in_flight > 1
 
 
+def test_a_stream_opened_with_triton_grpc_error_ends_with_the_failed_request_s_status(client, fresh):
+    """Triton's header ``triton_grpc_error: true``: a failed request ends the stream with its gRPC status, and later
+    requests are not run. It was ignored: the error came back inside the stream with no status, the stream went on."""
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)), stream_timeout=30,
+                        headers={"triton_grpc_error": "true"})
+    try:
+        client.async_stream_infer("double", [_triton_input(_x())], request_id="r0")
+        assert results.get(timeout=10)[1] is None
+        client.async_stream_infer("bad", [_triton_input(_x())], request_id="r1")
+        result, error = results.get(timeout=10)
+        assert result is None and error.status() == "StatusCode.INVALID_ARGUMENT", error
+        assert "input 'input' has 3 features, model 'bad' expects 40" in error.message()
+        with pytest.raises(InferenceServerException, match="The stream is no longer in valid state"):
+            client.async_stream_infer("double", [_triton_input(_x() + 1)], request_id="r2")
+    finally:
+        client.stop_stream()
+    assert "r2" not in fresh.started
+
+
+def test_with_triton_grpc_error_requests_after_a_failed_one_get_no_answer(stub, fresh):
+    replies = []
+    requests = [_stream_request(0), _stream_request(1, model="bad"), _stream_request(2, delay_ms=200)]
+    with pytest.raises(grpc.RpcError) as info:
+        for reply in stub.ModelStreamInfer(iter(requests), timeout=10, metadata=(("triton_grpc_error", "true"),)):
+            replies.append(reply)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [r.infer_response.id for r in replies] == ["s0"]
+    # without the header the stream answers all three
+    assert [r.infer_response.id for r in stub.ModelStreamInfer(iter(requests), timeout=10)] == ["s0", "s1", "s2"]
+
+
 def _stream_request(i: int, model: str = "double", delay_ms: int = 0, sequence_id=None, final=False):
     x = _x((1, 2, 3)) + i
     request = _raw_request(x)

@@ -11,6 +11,7 @@ import logging
 import secrets
 from typing import Any, AsyncIterator
 
+import grpc
 from google.protobuf import json_format
 
 from ...dataplane.repository_parameters import check_load_parameters, check_unload_parameters
@@ -32,6 +33,16 @@ ANSWER_FRAME_BYTES = 512
 _STREAM_WRAPPER_BYTES = 16
 # Room in a ModelInferResponse beside its raw output tensors (names, shapes, parameters): far above what they take.
 _SIZE_HEADROOM = 64 * 1024
+
+
+def _wants_status_errors(context) -> bool:
+    """Whether the call asked, as Triton's clients do with the header ``triton_grpc_error: true``, for a failed
+    request to end the stream with its gRPC status instead of an error_message answer."""
+    try:
+        metadata = context.invocation_metadata() or ()
+    except Exception:  # noqa: BLE001 - a context without metadata (tests' fakes): the default behaviour
+        return False
+    return any(key == "triton_grpc_error" and str(value).strip().lower() == "true" for key, value in metadata)
 
 
 def _sequence_key(msg: pb.ModelInferRequest) -> tuple[str, Any] | None:
@@ -142,12 +153,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """Answers each request in request order; a failed one answers with error_message.
+        """Answers each request in request order; a failed one answers with error_message, or, when the call
+        was opened with the header ``triton_grpc_error: true`` (Triton's), ends the call with its gRPC status.
 
         Requests run concurrently (up to ``stream_window`` in flight), so independent
         requests of one stream can batch together; requests of the same sequence
         (same model and ``sequence_id``) run one after another, in stream order.
         """
+        status_errors = _wants_status_errors(context)
         in_order: asyncio.Queue[tuple[asyncio.Task, pb.ModelInferRequest] | None] = asyncio.Queue()
         # this call's chunks run under it, so that an answer it could not deliver ends only the stream it moved
         caller = secrets.randbits(63) | 1
@@ -178,8 +191,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         answered = 0
         try:
             while (item := await in_order.get()) is not None:
-                response = await item[0]
+                response, status = await item[0]
                 window.release()
+                if status is not None and status_errors:
+                    # Triton closes the stream after such an error: later requests are not run (those already
+                    # running are cancelled below, and a stream one of them moved is ended)
+                    await context.abort(*status)
                 answered += 1
                 yield response
             try:
@@ -203,10 +220,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 task, request = item
                 if not task.done():
                     task.cancel()  # a chunk cancelled once queued ends its stream in the dataplane
-                elif not task.cancelled() and not task.result().error_message and _sequence_key(request):
+                elif not task.cancelled() and not task.result()[0].error_message and _sequence_key(request):
                     # answered, and its stream moved on, but the answer waited behind an earlier request and the
                     # call ended first: the client never saw it, so the stream must not go on from there
-                    self._end_undelivered(request, task.result().infer_response.model_version, caller)
+                    self._end_undelivered(request, task.result()[0].infer_response.model_version, caller)
 
     def _end_undelivered(self, request: pb.ModelInferRequest, version: str, caller: int) -> None:
         why = ("was ended because the answer to one of its chunks could not be delivered (its ModelStreamInfer call "
@@ -221,7 +238,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if not ending.cancelled() and ending.exception() is not None:
             log.warning("ending a stream whose answer was not delivered failed: %s", ending.exception())
 
-    async def _stream_one(self, request: pb.ModelInferRequest, after: asyncio.Task | None, caller: int):
+    async def _stream_one(self, request: pb.ModelInferRequest, after: asyncio.Task | None, caller: int
+                          ) -> tuple[pb.ModelStreamInferResponse, tuple[grpc.StatusCode, str] | None]:
+        """The request's answer, and for a failed one its gRPC status (else None)."""
         if after is not None:
             await asyncio.wait([after])
         final = request.parameters.get("triton_enable_empty_final_response")
@@ -234,24 +253,25 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                                    f"(bool_param), got {got}")
             infer_response = await self._answer(request, _STREAM_WRAPPER_BYTES, caller)
         except Exception as exc:
-            _, message = grpc_status(exc)
+            status = grpc_status(exc)
+            message = status[1]
             echoed = sum(len(text.encode()) for text in (request.id, request.model_name, request.model_version))
             if (self._max_message_bytes is not None
                     and echoed + len(message.encode()) + ANSWER_FRAME_BYTES > self._max_message_bytes):
                 # past the message limit grpc would end the whole call, and every later request's answer with it
                 return pb.ModelStreamInferResponse(error_message=f"{message} (this request's id and model name are "
-                                                                 f"too long to repeat within the message limit)")
+                                                                 f"too long to repeat within the message limit)"), status
             # The request's identity goes back with the error, so clients can match them.
             return pb.ModelStreamInferResponse(
                 error_message=message,
                 infer_response=pb.ModelInferResponse(
                     model_name=request.model_name, model_version=request.model_version, id=request.id
                 ),
-            )
+            ), status
         if final is not None and final.bool_param:
             # Non-decoupled models answer once: that answer is the final one (Triton's flag).
             infer_response.parameters["triton_final_response"].bool_param = True
-        return pb.ModelStreamInferResponse(infer_response=infer_response)
+        return pb.ModelStreamInferResponse(infer_response=infer_response), None
 
     async def RepositoryIndex(self, request, context):
         models = await self._dataplane.repository_index(ready_only=request.ready)
