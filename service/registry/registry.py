@@ -444,8 +444,12 @@ class ModelRegistry:
             with contextlib.suppress(KeyError):  # the model's "no version" series (see _none_ready), if set
                 self.metrics.model_ready.remove(sv.name, "")
             self.metrics.model_engine.labels(model=sv.name, version=sv.label, engine=engine.name).set(1)
-        log.info("model %s version %s ready on %s engine in %.2fs (max_batch_size %d, max_queue_delay_us %d, "
-                 "max_batch_memory %d MiB: %d sequence steps)", sv.name, sv.version, engine.name, elapsed,
+        # the CPU path decides speed and whether answers are the same to the bit whatever the batch (the
+        # compiled kernels) or within ~1e-7 (NumPy): an operator reads which from the log
+        kernel = engine.describe().get("cpu_kernel") if hasattr(engine, "describe") else None
+        log.info("model %s version %s ready on %s engine%s in %.2fs (max_batch_size %d, max_queue_delay_us %d, "
+                 "max_batch_memory %d MiB: %d sequence steps)", sv.name, sv.version, engine.name,
+                 f" ({kernel})" if kernel else "", elapsed,
                  cfg.max_batch_size, cfg.max_queue_delay_us, sv.budget.limit_bytes >> 20, sv.budget.max_steps)
         return None
 

@@ -285,3 +285,19 @@ def test_a_large_file_with_a_corrupt_header_is_refused_before_its_data_is_read(t
         load_tensors(path)
     assert time.perf_counter() - started < 1.0
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB: nothing like 4 GiB read
+
+
+@pytest.mark.asyncio
+async def test_a_model_s_ready_line_names_its_cpu_path(tmp_path, caplog, monkeypatch):
+    """Whether the compiled kernels or NumPy run decides speed and bit-exactness across batches; the log did not say
+    (a clone served without building the kernels gave answers that differed by 1e-7 between batches, unexplained)."""
+    import logging
+
+    repo = tmp_path / "repo"
+    _saved(repo, "good")
+    monkeypatch.setenv("RNNSERVE_NATIVE_CPU", "0")
+    registry = ModelRegistry(repo, device="cpu")
+    with caplog.at_level(logging.INFO, logger="rnnserve.registry"):
+        await registry.start()
+        await registry.stop()
+    assert "model good version 1 ready on reference engine (numpy (" in caplog.text, caplog.text
