@@ -65,6 +65,16 @@ def block_layout(spec: BlockSpec) -> list[LayoutEntry]:
 
 
 def block_param_count(spec: BlockSpec) -> int:
-    """Total elements of the canonical flat buffer."""
-    last = block_layout(spec)[-1]
-    return last.offset + last.size
+    """Total elements of the canonical flat buffer (what :func:`block_layout` spans), in closed form.
+
+    Not from the layout itself, whose length grows with ``num_layers``: a model file's spec is checked against
+    its tensor's size before anything is built from it, and a corrupt spec saying 10^12 layers spun the load
+    for minutes, growing memory, to describe a 2 KB tensor.
+    """
+    g, h, ho, d = spec.gates, spec.hidden_size, spec.output_size, spec.directions
+    proj = ho * h if spec.proj_size else 0
+
+    def pseudo_layer(in_p: int) -> int:  # its matrices and its two bias vectors per gate
+        return g * h * in_p + g * h * ho + proj + 2 * g * h
+
+    return d * pseudo_layer(spec.input_size) + (spec.num_layers - 1) * d * pseudo_layer(d * ho)

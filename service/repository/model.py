@@ -182,6 +182,35 @@ def resolve_model_path(path: str | Path) -> tuple[Path, int]:
     return path, versions[-1]
 
 
+# A block's tensors besides its weights, by the variant flag that needs them.
+_EXTRAS = ("peephole",)
+_FLOAT_STORED = ("F32", "F16", "BF16", "F64")
+
+
+def _check_tensors(file: Path, spec: RNNSpec, tensors: dict[str, np.ndarray], stored: dict[str, str],
+                   dtype: Any) -> None:
+    """What ``rnnserve convert`` writes and nothing else: float tensors of known names, every value finite, a known
+    storage dtype. A hand-edited or damaged file otherwise served wrong numbers: integer bytes read as weights,
+    a NaN weight that the compiled kernel turned into a plausible answer (NumPy answered NaN)."""
+    if dtype not in STORAGE_DTYPES:
+        raise InvalidInput(f"{file}: corrupt metadata: storage dtype {str(dtype)[:40]!r} is not one of "
+                           f"{', '.join(STORAGE_DTYPES)}; convert the model again")
+    known = {f"block{k}.{n}" for k in range(len(spec.blocks)) for n in ("weights", *_EXTRAS)}
+    for name, arr in tensors.items():
+        if name not in known:
+            raise InvalidInput(f"{file} has a tensor '{name[:80]}' that no part of the model uses (rnnserve writes "
+                               f"block<k>.weights and block<k>.peephole); convert the model again")
+        if stored.get(name) not in _FLOAT_STORED:
+            raise InvalidInput(f"{file}: tensor '{name}' is stored as {stored.get(name)}, not as floats; "
+                               f"convert the model again")
+        finite = np.isfinite(arr)
+        if not finite.all():
+            bad = int(np.flatnonzero(~finite.reshape(-1))[0])
+            raise InvalidInput(f"{file}: tensor '{name}' holds {int((~finite).sum())} value(s) that are NaN or "
+                               f"infinite (the first at element {bad}); the weights are damaged: convert the "
+                               f"model again")
+
+
 def load_model(path: str | Path, version: int | None = None) -> PackedModel:
     """Load ``REPO/NAME`` (latest version), ``REPO/NAME/V``, or the given ``version``."""
     model_dir, latest = resolve_model_path(path)
@@ -200,6 +229,7 @@ def load_model(path: str | Path, version: int | None = None) -> PackedModel:
         raise InvalidInput(f"{file}: corrupt spec metadata ({reason}); convert the model again") from exc
     if not isinstance(provenance, dict):
         raise InvalidInput(f"{file}: corrupt provenance metadata (not a JSON object); convert the model again")
+    _check_tensors(file, spec, tensors, stored, metadata.get("rnnserve.dtype", "float32"))
     weights = []
     for k in range(len(spec.blocks)):
         key = f"block{k}.weights"

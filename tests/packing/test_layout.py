@@ -85,3 +85,17 @@ def test_causal_means_every_block_reads_forward():
     assert RNNSpec((fwd, BlockSpec("gru", 8, 6))).causal
     assert not RNNSpec((fwd, BlockSpec("gru", 8, 6, bidirectional=True))).causal
     assert not RNNSpec((BlockSpec("gru", 4, 6, variant={"reverse": True}),)).causal
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn_tanh"])
+@pytest.mark.parametrize("layers,bidirectional,proj", [(1, False, 0), (3, True, 0), (2, False, 3), (4, True, 2)])
+def test_the_closed_form_count_is_what_the_layout_spans(cell, layers, bidirectional, proj):
+    spec = BlockSpec(cell, 7, 5, layers, bidirectional, proj if cell == "lstm" else 0)
+    last = block_layout(spec)[-1]
+    assert block_param_count(spec) == last.offset + last.size
+
+
+def test_counting_a_huge_layer_count_costs_nothing():
+    # a corrupt file's spec said 10^12 layers: counting built the layout, minutes and gigabytes for a 2 KB tensor
+    spec = BlockSpec("lstm", 1, 32, 10**12)
+    assert block_param_count(spec) > 10**15

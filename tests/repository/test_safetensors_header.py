@@ -123,7 +123,36 @@ def test_empty_tensors_between_others_are_fine(tmp_path):
     end0 = header["block0.weights"]["data_offsets"][1]
     header["block0.empty"] = {"dtype": "F32", "shape": [0, 3], "data_offsets": [end0, end0]}
     _rewrite(path, header, body)
-    assert load_model(path.parent.parent).extras["block0.empty"].shape == (0, 3)
+    from service.repository.safetensors_io import load_tensors
+
+    assert load_tensors(path)[0]["block0.empty"].shape == (0, 3)
+    # read fine, but a model has no such tensor: refused by name (an unknown tensor was kept unused)
+    with pytest.raises(InvalidInput, match="has a tensor 'block0.empty' that no part of the model uses"):
+        load_model(path.parent.parent)
+
+
+@pytest.mark.parametrize("damage,problem", [
+    ("nan", "tensor 'block0.weights' holds 1 value\(s\) that are NaN or infinite \(the first at element 5\)"),
+    ("inf", "tensor 'block0.weights' holds 1 value\(s\) that are NaN or infinite"),
+    ("i32", "tensor 'block0.weights' is stored as I32, not as floats"),
+    ("dtype_meta", "corrupt metadata: storage dtype 'int8' is not one of float32, float16, bfloat16"),
+])
+def test_weights_that_are_not_finite_floats_are_refused(tmp_path, damage, problem):
+    """A NaN weight loaded READY, and the compiled kernel answered a plausible wrong number (NumPy: NaN); integer
+    bytes were read as weights; a storage dtype of int8 was accepted."""
+    path = _saved(tmp_path)
+    header, body = _header(path)
+    start = header["block0.weights"]["data_offsets"][0]
+    if damage in ("nan", "inf"):
+        value = np.float32("nan" if damage == "nan" else "inf").tobytes()
+        body = body[:start + 20] + value + body[start + 24:]
+    elif damage == "i32":
+        header["block0.weights"]["dtype"] = "I32"
+    else:
+        header["__metadata__"]["rnnserve.dtype"] = "int8"
+    _rewrite(path, header, body)
+    with pytest.raises(InvalidInput, match=problem):
+        load_model(path.parent.parent)
 
 
 @pytest.mark.parametrize("metadata,problem", [
