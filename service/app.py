@@ -36,6 +36,7 @@ from .metrics.processes import PREFIX as PROCESS_NAME, name_this_process
 from .ports import bind_listener
 from .registry import DEFAULTED_FIELDS, ModelRegistry
 from .registry.builds import exit_if_building
+from .repository.root_check import repository_problem
 from .settings import ServeSettings
 from .transports.rest import create_rest_app
 from .transports.rest.balanced_accept import BalancedAcceptor, ConnectionTable
@@ -286,11 +287,9 @@ def serve_main(argv: list[str]) -> int:
     except RNNServeError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
-    if not settings.repository.is_dir():
+    if (problem := repository_problem(settings.repository)) is not None:
         # Triton stops here too: a server with no models would report ready and take traffic it can only refuse.
-        print(f"error: model repository '{settings.repository}' is not a folder; pass --repository DIR "
-              f"(or RNNSERVE_REPOSITORY) naming a folder of models (an empty one serves none until models are "
-              f"added and loaded)", file=sys.stderr)
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     if settings.device == "cuda" and (problem := cuda_problem()) is not None:
         print(f"error: --device cuda cannot serve here: {problem}; serve with --device auto (cuDNN where it "

@@ -169,7 +169,7 @@ class ModelRegistry:
         try:
             return self._models[name]
         except KeyError:
-            if _NAME.fullmatch(name) and (self.repository / name).is_dir():  # one stat, not a scan
+            if _NAME.fullmatch(name) and self._is_folder(name):  # one stat, not a scan
                 if not self._scanned:  # a front-end may ask before the engine process's scan ran
                     raise Unavailable(f"model '{name}' is not ready: the server is starting and loads the "
                                       f"repository's models") from None
@@ -177,6 +177,15 @@ class ModelRegistry:
                                f"after the server started); load it first: POST /v2/repository/models/{name}/load "
                                f"(gRPC RepositoryModelLoad)") from None
             raise NotFound(f"unknown model '{name}'; the repository has {', '.join(self.names()) or 'no models'}") from None
+
+    def _is_folder(self, name: str) -> bool:
+        """Whether the repository has a folder ``name``; Unavailable, saying what to fix, when the repository cannot
+        be read (its permissions changed under the server: a load or unload answered a bare 500)."""
+        try:
+            return (self.repository / name).is_dir()
+        except OSError as exc:
+            raise Unavailable(f"the model repository {self.repository} cannot be read ({exc.strerror or exc}); give "
+                              f"the server's user read and execute permission on it") from None
 
     def unseen(self) -> list[str]:
         """Model folders of the repository that this server has not loaded or tried to (added after it started)."""
@@ -303,7 +312,7 @@ class ModelRegistry:
         """(Re)load model ``name`` from the repository per its version policy; raise the load error if any."""
         _check_name(name)
         model_dir = self.repository / name
-        if not model_dir.is_dir():
+        if not self._is_folder(name):
             await self._forget_removed(name)
             raise NotFound(f"no model '{name}' in repository {self.repository} (expected folder {model_dir})")
         entry = self._models.setdefault(name, ModelEntry(name))
@@ -314,7 +323,7 @@ class ModelRegistry:
         """Drop what lost its folder: a deleted model's versions that do not serve (failed or unloaded), and the
         model once none remain, so the index lists the repository as it is and such a model's metadata is 404,
         not 503 "not ready". Serving versions keep serving until unloaded; a model being loaded is left to its load."""
-        for name in [n for n in self._models if not (self.repository / n).is_dir()]:
+        for name in [n for n in self._models if not self._is_folder(n)]:
             entry = self._models.get(name)
             if entry is not None and not entry.lock.locked():
                 await self._forget_removed(name)
@@ -469,7 +478,10 @@ class ModelRegistry:
             entry.state, entry.reason = ModelState.UNAVAILABLE, "unloaded"
             log.info("model %s unloaded (versions %s)", name, ", ".join(str(v) for v in sorted(entry.versions)) or
                      "none")
-        if not (self.repository / name).is_dir():
+        gone = False
+        with contextlib.suppress(Unavailable):  # an unreadable repository: the unload is done all the same
+            gone = not self._is_folder(name)
+        if gone:
             # deleted, then unloaded: gone now, with every series (an alert on rnnserve_model_ready == 0 kept
             # firing, and its metadata said 503 "not ready", until something asked for the index)
             await self._forget_removed(name)

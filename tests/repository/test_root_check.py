@@ -1,0 +1,78 @@
+"""The repository folder checked at start: readable, and not a model or version folder passed by mistake."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from service.app import serve_main
+from service.repository.root_check import repository_problem
+
+MODELS = Path(__file__).resolve().parents[2] / "models"
+
+
+def test_the_bundled_repository_can_be_served():
+    assert repository_problem(MODELS) is None
+
+
+def test_a_model_or_version_folder_passed_as_the_repository_is_refused_at_start(tmp_path, capsys):
+    """Both started: the version folder ready, serving nothing (a rollout would pass its readiness probe), the model
+    folder with a model named '1' that failed to load."""
+    repo = tmp_path / "repo"
+    shutil.copytree(MODELS / "forecaster", repo / "forecaster")
+    assert "is a model folder (its version folders 1 hold model.safetensors), not a model repository; pass its " \
+           "parent folder" in repository_problem(repo / "forecaster")
+    assert "is a model's version folder (it holds model.safetensors), not a model repository; pass the folder two " \
+           "levels up" in repository_problem(repo / "forecaster" / "1")
+    assert serve_main(["--repository", str(repo / "forecaster" / "1"), "--http-port", "0", "--grpc-port", "0"]) == 2
+    assert "is a model's version folder" in capsys.readouterr().err
+    (repo / "forecaster" / "2").mkdir()  # an empty newer version folder beside it: still a model folder
+    assert "its version folders 1 hold model.safetensors" in repository_problem(repo / "forecaster")
+    (repo / "forecaster" / "notes").mkdir()  # a folder that is no version: could be a repository of odd models
+    assert repository_problem(repo / "forecaster") is None
+
+
+def test_a_repository_the_server_cannot_read_is_refused_at_start(tmp_path, monkeypatch):
+    """As a user without permission (a host folder mounted 0700 into the image): the server started, never became
+    ready, listed an empty index and answered loads with a bare 500."""
+    real = os.scandir
+
+    def refused(path):
+        if Path(path) == tmp_path:
+            raise PermissionError(13, "Permission denied")
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", refused)
+    problem = repository_problem(tmp_path)
+    assert problem is not None and "cannot be read (Permission denied); give the server's user (uid" in problem
+
+
+@pytest.mark.asyncio
+async def test_a_repository_that_becomes_unreadable_answers_loads_with_unavailable(tmp_path, monkeypatch):
+    """Permissions changed under a running server: a load or unload answered a bare 500 (PermissionError)."""
+    from service.errors import Unavailable
+    from service.registry import ModelRegistry
+
+    repo = tmp_path / "repo"
+    shutil.copytree(MODELS / "forecaster", repo / "forecaster")
+    registry = ModelRegistry(repo, device="cpu")
+    await registry.start()
+    try:
+        real = Path.is_dir
+
+        def refused(path):
+            if path.parent == repo:
+                raise PermissionError(13, "Permission denied")
+            return real(path)
+
+        monkeypatch.setattr(Path, "is_dir", refused)
+        with pytest.raises(Unavailable, match=r"the model repository .* cannot be read \(Permission denied\); "
+                                              r"give the server's user read and execute permission on it"):
+            await registry.load("forecaster")
+        await registry.unload("forecaster")  # needs no file: done, and the model stays listed as unloaded
+        assert [(r["name"], r["reason"]) for r in registry.index()] == [("forecaster", "unloaded")]
+    finally:
+        monkeypatch.undo()
+        await registry.stop()
