@@ -91,8 +91,13 @@ EXPOSE 8000 8001
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python3", "-c", "import os, sys, urllib.request; port = os.environ.get('RNNSERVE_HTTP_PORT', '8000'); sys.exit(0 if urllib.request.urlopen(f'http://127.0.0.1:{port}/v2/health/ready', timeout=4).status == 200 else 1)"]
 
+# The serve defaults as variables, not CMD flags: a flag would override `docker run -e RNNSERVE_DEVICE=cpu`.
+ENV RNNSERVE_REPOSITORY=/models \
+    RNNSERVE_DEVICE=auto
+
 # Exec form: rnnserve is PID 1 and gets SIGTERM itself; it stops accepting requests,
-# drains the in-flight batches and exits 0. Give it time: docker run --stop-timeout 30.
+# drains the in-flight batches and exits 0. Give it time: docker run --stop-timeout 40 (the
+# drain timeout, 30 s, plus a margin; with --frontends or --engines twice the drain timeout).
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["rnnserve"]
-CMD ["serve", "--repository", "/models", "--device", "auto"]
+CMD ["serve"]

@@ -179,6 +179,7 @@ class ServeSettings(BaseSettings):
         overrides = {k: v for k, v in vars(args).items() if v is not None}
         _drop_service_links_named_as_settings()
         _refuse_unknown_variables()
+        _say_overridden_variables(overrides)
         try:
             settings = cls(**overrides)
         except ValidationError as exc:
@@ -215,6 +216,20 @@ def _drop_service_links_named_as_settings() -> None:
             print(f"rnnserve: ignoring {var}={os.environ[var]}: a Kubernetes service link (of a Service named "
                   f"{var[:-5].lower().replace('_', '-')}), not a port number", file=sys.stderr)
             del os.environ[var]
+
+
+def _say_overridden_variables(flags: dict[str, Any]) -> None:
+    """A line per RNNSERVE_* variable that a flag overrides: an image's CMD or a manifest's args pass flags, and
+    `docker run -e RNNSERVE_DEVICE=cpu IMAGE` was ignored without a word."""
+    import os
+    import sys
+
+    for name, value in flags.items():
+        var = f"RNNSERVE_{name.upper()}"
+        if var in os.environ and os.environ[var].strip() != str(value):
+            print(f"rnnserve: {var}={os.environ[var]} is overridden by --{name.replace('_', '-')} {value} (flags win "
+                  f"over variables); drop the flag from the command (the image's CMD, a manifest's args) to use "
+                  f"the variable", file=sys.stderr)
 
 
 def _refuse_unknown_variables() -> None:

@@ -79,7 +79,9 @@ def test_entrypoint_takes_every_subcommand(dockerfile):
     entry = dockerfile.final.last("ENTRYPOINT").exec_form()
     cmd = dockerfile.final.last("CMD").exec_form()
     assert entry == ["rnnserve"], "exec form, and the bare command so `docker run IMAGE convert ...` works"
-    assert cmd[0] == "serve" and cmd[cmd.index("--repository") + 1] == "/models"
+    assert cmd == ["serve"], "defaults as ENV: a flag in CMD overrides `docker run -e RNNSERVE_...`"
+    env = dockerfile.final.env()
+    assert env["RNNSERVE_REPOSITORY"] == "/models" and env["RNNSERVE_DEVICE"] == "auto"
 
 
 def test_entrypoint_and_cmd_parse_with_the_real_cli(dockerfile, capsys):

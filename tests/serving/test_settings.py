@@ -165,3 +165,14 @@ def test_config_json_numbers_are_numbers_and_keys_are_given_once(tmp_path):
             load_config(tmp_path)
     (tmp_path / "config.json").write_text('{"stream_idle_timeout_s": 60, "max_batch_size": 8}')
     assert load_config(tmp_path).stream_idle_timeout_s == 60.0
+
+
+def test_a_variable_overridden_by_a_flag_is_named(monkeypatch, capsys):
+    """The image's CMD passed --device auto: `docker run -e RNNSERVE_DEVICE=cpu IMAGE` was ignored without a word."""
+    monkeypatch.setenv("RNNSERVE_DEVICE", "cpu")
+    monkeypatch.setenv("RNNSERVE_MAX_QUEUE_SIZE", "7")
+    settings = ServeSettings.from_args(["--device", "auto", "--max-queue-size", "7"])
+    assert settings.device == "auto" and settings.max_queue_size == 7
+    err = capsys.readouterr().err
+    assert "RNNSERVE_DEVICE=cpu is overridden by --device auto (flags win over variables)" in err
+    assert "RNNSERVE_MAX_QUEUE_SIZE" not in err  # the same value: nothing to say
