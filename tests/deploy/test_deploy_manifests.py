@@ -217,3 +217,13 @@ def test_inferenceservice_uses_the_runtime():
     # KServe's storage initializer puts storageUri's content at /mnt/models.
     assert c["args"][c["args"].index("--repository") + 1] == "/mnt/models"
     assert {p["containerPort"] for p in c["ports"]} == {8000, 8001}
+
+
+def test_the_disruption_budget_lets_a_drain_evict_at_the_hpa_s_minimum():
+    """minAvailable 1 with minReplicas 1 refused every eviction: `kubectl drain` hung until someone scaled up."""
+    pdb = _by_kind("PodDisruptionBudget")["spec"]
+    least = _by_kind("HorizontalPodAutoscaler")["spec"].get("minReplicas", 1)
+    if "minAvailable" in pdb:
+        assert int(pdb["minAvailable"]) < least
+    else:
+        assert int(pdb["maxUnavailable"]) >= 1
