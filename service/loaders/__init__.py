@@ -70,6 +70,12 @@ def convert(source: Any, format: str | None = None, select: str | None = None, c
         raise ConversionError("--select is empty; name the layers to convert (comma separated), or leave it out")
     if not path.is_file():
         raise ConversionError(f"'{path}' is not a regular file (a device, pipe or socket); pass the model file itself")
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:  # read by each framework's own loader, which said "truncated or corrupt", or a traceback
+        raise ConversionError(f"'{path}' cannot be read ({exc.strerror or exc}); give your user read permission "
+                              f"on it, or convert a copy you can read") from None
     fmt = detect_format(path) if format in (None, "auto") else format
     loaded = load_source(path, fmt, select, cell, **options)
     spec, buffers, extras = assemble(loaded.layers)

@@ -5,6 +5,7 @@ import warnings
 
 import itertools
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -701,3 +702,21 @@ def test_a_scripted_bare_recurrent_module_is_run_whole_through_its_tensor_overlo
     model = service.convert(_archive(tmp_path, module.eval(), "script"))
     assert model.provenance["verification"]["whole_file"] == {
         "ran": True, "runtime": "torch (the archive's own forward)", "compared": compared}
+
+
+def test_a_file_the_user_cannot_read_is_named_as_such(tmp_path, monkeypatch):
+    """An unreadable .pt ended in a PermissionError traceback (exit 1); an .onnx one was called truncated or corrupt."""
+    import builtins
+
+    path = save_pt(tmp_path, make("lstm").state_dict())
+    real = builtins.open
+
+    def refused(file, *args, **kwargs):
+        if Path(file) == path:
+            raise PermissionError(13, "Permission denied")
+        return real(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", refused)
+    with pytest.raises(ConversionError, match=r"'.*' cannot be read \(Permission denied\); give your user read "
+                                              r"permission on it"):
+        service.convert(path)
