@@ -119,6 +119,8 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     if not path.exists():
         return ModelConfig()
     raw = read_regular(path, str(path), "make it a readable JSON file of settings", CONFIG_LIMIT)
+    if raw.startswith(b"\xef\xbb\xbf"):  # an editor's UTF-8 byte-order mark: json says "decode using utf-8-sig"
+        raise InvalidInput(f"{path} starts with a byte-order mark (BOM); save it as UTF-8 without one")
     try:
         data = json.loads(raw.decode("utf-8"), object_pairs_hook=_NO_REPEATS)
     except RecursionError:
@@ -132,5 +134,13 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     try:
         return ModelConfig(**data)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(_problem(e) for e in exc.errors())
         raise InvalidInput(f"{path}: {problems}") from exc
+
+
+def _problem(error: dict) -> str:
+    """One pydantic error as a config.json reader needs it: an unknown key with the keys there are."""
+    field = ".".join(map(str, error["loc"]))
+    if error["type"] == "extra_forbidden" and len(error["loc"]) == 1:
+        return f"{field}: not a setting (the settings are {', '.join(ModelConfig.model_fields)})"
+    return f"{field}: {error['msg']}"

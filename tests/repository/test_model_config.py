@@ -127,3 +127,13 @@ def test_a_non_finite_idle_timeout_is_refused_as_such(tmp_path, literal):
     (tmp_path / "config.json").write_text(f'{{"stream_idle_timeout_s": {literal}}}')
     with pytest.raises(InvalidInput, match="stream_idle_timeout_s: .* is not a finite number"):
         load_config(tmp_path)
+
+
+def test_a_byte_order_mark_and_an_unknown_key_say_what_to_change(tmp_path):
+    """Python's own words were "decode using utf-8-sig" and "Extra inputs are not permitted"."""
+    (tmp_path / "config.json").write_bytes(b"\xef\xbb\xbf" + json.dumps({"max_batch_size": 8}).encode())
+    with pytest.raises(InvalidInput, match=r"starts with a byte-order mark \(BOM\); save it as UTF-8 without one"):
+        load_config(tmp_path)
+    _write(tmp_path, {"max_batchsize": 8})
+    with pytest.raises(InvalidInput, match=r"max_batchsize: not a setting \(the settings are max_batch_size, "):
+        load_config(tmp_path)
