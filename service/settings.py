@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .errors import InvalidInput
@@ -163,6 +164,24 @@ class ServeSettings(BaseSettings):
             raise ValueError("is empty; name the model repository folder (default ./models)")
         return value
 
+    @field_validator("host", mode="before")
+    @classmethod
+    def _host_without_brackets(cls, value: Any) -> Any:
+        # "[::1]" is how a URL writes an IPv6 address; bound as a name it failed with "Name or service not known"
+        if isinstance(value, str) and value.strip().startswith("[") and value.strip().endswith("]"):
+            return value.strip()[1:-1]
+        return value
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _whole_numbers_as_written(cls, value: Any, info: ValidationInfo) -> Any:
+        # RNNSERVE_MAX_BATCH_SIZE=8.0 was read as 8, where --max-batch-size 8.0 and config.json refuse it
+        if isinstance(value, str) and cls.model_fields[info.field_name].annotation is int:
+            if not re.fullmatch(r"\s*[+-]?\d+\s*", value):
+                raise PydanticCustomError("int_parsing", "Input should be a valid integer (a whole number), got {got}",
+                                          {"got": repr(value.strip()[:40])})
+        return value
+
     @field_validator("*", mode="before")
     @classmethod
     def _choices_in_any_case(cls, value: Any, info: ValidationInfo) -> Any:
@@ -187,7 +206,8 @@ class ServeSettings(BaseSettings):
             raise InvalidInput(f"bad serve settings: {problems}") from exc
         if settings.http_port == settings.grpc_port and settings.http_port != 0:
             # one process would bind gRPC there first and HTTP would never answer
-            raise InvalidInput(f"bad serve settings: --http-port and --grpc-port are both {settings.http_port}; "
+            http, grpc = _named(("http_port",), overrides), _named(("grpc_port",), overrides)
+            raise InvalidInput(f"bad serve settings: {http} and {grpc} are both {settings.http_port}; "
                                f"give them different ports (0 picks a free one, --grpc-port -1 turns gRPC off)")
         return settings
 

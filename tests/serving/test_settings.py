@@ -176,3 +176,24 @@ def test_a_variable_overridden_by_a_flag_is_named(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "RNNSERVE_DEVICE=cpu is overridden by --device auto (flags win over variables)" in err
     assert "RNNSERVE_MAX_QUEUE_SIZE" not in err  # the same value: nothing to say
+
+
+def test_a_variable_is_read_as_strictly_as_its_flag(monkeypatch):
+    """RNNSERVE_MAX_BATCH_SIZE=8.0 was read as 8, where --max-batch-size 8.0 is refused; two ports equal from the
+    environment were named as flags never passed."""
+    monkeypatch.setenv("RNNSERVE_MAX_BATCH_SIZE", "8.0")
+    with pytest.raises(InvalidInput, match=r"RNNSERVE_MAX_BATCH_SIZE: Input should be a valid integer \(a whole "
+                                           r"number\), got '8.0'"):
+        ServeSettings.from_args([])
+    monkeypatch.delenv("RNNSERVE_MAX_BATCH_SIZE")
+    monkeypatch.setenv("RNNSERVE_HTTP_PORT", "9000")
+    monkeypatch.setenv("RNNSERVE_GRPC_PORT", "9000")
+    with pytest.raises(InvalidInput, match="RNNSERVE_HTTP_PORT and RNNSERVE_GRPC_PORT are both 9000"):
+        ServeSettings.from_args([])
+    monkeypatch.setenv("RNNSERVE_GRPC_PORT", "9001")
+    with pytest.raises(InvalidInput, match="--http-port and RNNSERVE_GRPC_PORT are both 9001"):
+        ServeSettings.from_args(["--http-port", "9001"])
+
+
+def test_a_bracketed_ipv6_host_is_the_address():
+    assert ServeSettings.from_args(["--host", "[::1]"]).host == "::1"
