@@ -20,7 +20,7 @@ from .onnx_file_check import session_options, whole_file_check
 from .onnx_graph import GraphIndex, keeps_values, read_model
 from .onnx_nodes import node_to_layer
 from .onnx_state_check import StateClaim
-from .source import LoadedSource, SourceRunner, unserved_note
+from .source import LoadedSource, SourceRunner, option_flags, unserved_note
 from .verify import ATOL, RTOL
 
 _RUNNER_OPSET = 17
@@ -35,8 +35,8 @@ def load_onnx(path: Path, select: str | None = None, cell: str | None = None, **
     ``options`` (the Keras loader's recurrent_activation) are refused: an ONNX node names its activations.
     """
     if options:
-        raise ConversionError(f"the ONNX loader takes no option(s) {', '.join(sorted(options))}; an ONNX node "
-                              f"names its own activations (it knows select and cell)")
+        raise ConversionError(f"an ONNX file takes no {option_flags(options)}: an ONNX node names its own "
+                              f"activations (it takes --select and --cell)")
     path = Path(path)
     index = GraphIndex(read_model(path), path.parent)
     candidates = recurrent_nodes(index)

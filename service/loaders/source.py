@@ -74,3 +74,9 @@ def unserved_note(stack: str, holder: str, others: str, part: str | None = None)
     advice = f": send what the first recurrent {part} reads as 'input', and apply the other {part}s yourself" \
         if part else ""
     return f"only {stack} is converted; the {holder} also has {others}, which rnnserve does not serve{advice}"
+
+
+def option_flags(options: dict[str, Any]) -> str:
+    """Loader options as ``rnnserve convert`` spells them (the API's keyword is the flag without its dashes)."""
+    flags = ", ".join(f"--{name.replace('_', '-')}" for name in sorted(options))
+    return flags + (" (an option for Keras weights-only files)" if "recurrent_activation" in options else "")

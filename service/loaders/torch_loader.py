@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConversionError
-from .source import LoadedSource, SourceRunner, unserved_note
+from .source import LoadedSource, SourceRunner, option_flags, unserved_note
 from .torch_files import TensorFile, read_torch_file
 from .torch_modules import ROOT, TorchRNN, describe_module, display, find_modules, normalize_cell
 from .torchscript_check import archive_check
@@ -36,8 +36,7 @@ _TORCH_CLASS = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN", "rnn_relu": "RN
 def load_torch(path: Path, select: str | None = None, cell: str | None = None, **options: Any) -> LoadedSource:
     """Read a PyTorch weight file into canonical layers; see the module docstring for ``select``."""
     if options:
-        raise ConversionError(f"the PyTorch loader takes no option(s) {', '.join(sorted(options))}; "
-                              f"it knows select and cell")
+        raise ConversionError(f"a PyTorch file takes no {option_flags(options)}; it takes --select and --cell")
     normalize_cell(cell)  # an unknown --cell fails before the file is read
     path = Path(path)
     tf = read_torch_file(path)

@@ -93,6 +93,11 @@ class PackedModel:
         if not replace and out.exists():
             raise InvalidInput(f"'{out}' exists: version {int(version)} of '{name}' is converted already; pick "
                                f"another --version, or pass --overwrite to replace it")
+        for d, what, flag in ((Path(repository), "the repository", "--repository"),
+                              (model_dir, f"model '{name}'", "--name"), (vdir, f"version {int(version)}", "--version")):
+            if d.exists() and not d.is_dir():  # the write's "Not a directory" named neither the file nor the fix
+                raise InvalidInput(f"'{d}' is a file where the folder of {what} goes; move it away, or pick "
+                                   f"another {flag}")
         made = [d for d in (Path(repository), model_dir, vdir) if not d.exists()]
         try:
             vdir.mkdir(parents=True, exist_ok=True)

@@ -586,7 +586,7 @@ def test_keras_options_and_other_formats_are_named(tmp_path):
     torch = pytest.importorskip("torch")
     path = tmp_path / "m.onnx"
     onnx.save(_node_model("GRU"), str(path))
-    with pytest.raises(ConversionError, match="ONNX loader takes no option\\(s\\) recurrent_activation"):
+    with pytest.raises(ConversionError, match="an ONNX file takes no --recurrent-activation"):
         load_onnx(path, recurrent_activation="hard_sigmoid")
     saved = tmp_path / "lstm.onnx"
     torch.save(torch.nn.LSTM(3, 4).state_dict(), saved)

@@ -97,3 +97,13 @@ def test_bad_names_and_specs():
         BlockSpec("gru", 3, 5, proj_size=2)
     with pytest.raises(InvalidInput, match="unknown cell"):
         BlockSpec("lstmx", 3, 5)
+
+
+def test_a_file_where_the_model_s_folder_goes_is_named(tmp_path):
+    """The write failed with "Not a directory; pick a --repository folder you can write to"."""
+    block = BlockSpec("gru", 2, 3)
+    model = PackedModel(RNNSpec((block,)), [np.zeros(block_param_count(block), np.float32)], {}, {})
+    (tmp_path / "m").write_text("not a folder")
+    with pytest.raises(InvalidInput, match=r"'.*/m' is a file where the folder of model 'm' goes; move it away, or "
+                                           r"pick another --name"):
+        model.save(tmp_path, "m", 1)
