@@ -214,7 +214,8 @@ def test_convert_refuses_what_a_repository_cannot_hold(torch_file, tmp_path):
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     res = rnnserve("convert", torch_file[0], "--name", "m", "--repository", a_file, "--no-verify")
-    assert res.returncode == 2 and "cannot write the model to" in res.stderr and "Not a directory" in res.stderr
+    assert res.returncode == 2 and f"'{a_file}' is a file where the folder of the repository goes; move it away, " \
+                                   f"or pick another --repository" in res.stderr, res.stderr
     res = rnnserve("convert", torch_file[0], "--name", "m", "--repository", tmp_path, "--version", 10**18)
     assert res.returncode == 2 and "version must be a whole number from 1 to 999999999999999999" in res.stderr
     res = rnnserve("convert", torch_file[0], "--name", "m", "--repository", "")
