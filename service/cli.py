@@ -58,7 +58,21 @@ def _convert(args: argparse.Namespace) -> int:
         print(f"stored as {args.dtype}: outputs move by up to {stored_diff:.3g} from the float32 model on that probe "
               f"(rounded weights)")
     print(f"wrote {out} ({model.parameter_count} parameters, {args.dtype})")
+    _say_if_config_is_broken(out.parent.parent)
     return 0
+
+
+def _say_if_config_is_broken(model_dir: Path) -> None:
+    """A model folder's existing config.json is kept as it is; one the server will refuse is said now, not at serve
+    time (the conversion succeeded and the model then failed to load)."""
+    from .errors import InvalidInput
+    from .repository import load_config
+
+    try:
+        load_config(model_dir)
+    except InvalidInput as exc:
+        print(f"warning: the model folder's config.json, kept as it was, will not load: {exc.message}; fix it "
+              f"before serving this model", file=sys.stderr)
 
 
 def _whole_file_line(whole: dict) -> str:

@@ -266,3 +266,12 @@ def test_inspect_says_which_part_of_the_path_is_wrong(torch_file, tmp_path):
     assert res.returncode == 2 and "not a model folder: '/dev/null'" in res.stderr
     res = rnnserve("convert", torch_file[0], "--name", "e", "--repository", tmp_path, "--select", " , ")
     assert res.returncode == 2 and "--select is empty" in res.stderr
+
+
+def test_convert_warns_when_the_model_folder_keeps_a_config_that_will_not_load(torch_file, tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"max_batchsize": 3}')
+    res = rnnserve("convert", torch_file[0], "--name", "m", "--repository", tmp_path, "--no-verify")
+    assert res.returncode == 0, res.stderr
+    assert "warning: the model folder's config.json, kept as it was, will not load: " in res.stderr
+    assert "max_batchsize: not a setting" in res.stderr
