@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import re
 import time
 from functools import cached_property
@@ -253,7 +254,12 @@ class ModelRegistry:
             log.warning("model repository %s does not exist; serving no models", self.repository)
             names: list[str] = []
         else:
-            names = sorted(p.name for p in self.repository.iterdir() if p.is_dir() and not p.name.startswith("."))
+            entries = list(self.repository.iterdir())
+            names = sorted(p.name for p in entries if p.is_dir() and not p.name.startswith("."))
+            for p in entries:
+                if p.is_symlink() and not p.exists():  # left out like a file, but meant as a model: say so
+                    log.warning("model folder %s is a link to %s, which does not exist: left out", p,
+                                os.readlink(p))
         for name in names:
             self._models.setdefault(name, ModelEntry(name, state=ModelState.LOADING))
         self._scanned = True
@@ -409,6 +415,11 @@ class ModelRegistry:
             seen = f"; its folders hold none: {', '.join(others)}" if others else ""
             raise InvalidInput(f"model folder {model_dir} has no version folder with a model.safetensors "
                                f"(expected {model_dir}/1/model.safetensors){seen}")
+        others = unserved_folders(model_dir)
+        if others:
+            # a newer version copied in halfway (no model.safetensors yet) left the older one serving without a word
+            log.warning("model %s: folder(s) %s hold no servable version and are left out (versions with a model: "
+                        "%s)", model_dir.name, ", ".join(others), ", ".join(map(str, present)))
         policy = config.version_policy
         if policy == "latest":
             return [present[-1]]

@@ -76,3 +76,24 @@ async def test_a_repository_that_becomes_unreadable_answers_loads_with_unavailab
     finally:
         monkeypatch.undo()
         await registry.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_version_folder_without_a_model_file_is_logged(tmp_path, caplog):
+    """A newer version copied in halfway (2/ with no model.safetensors yet) left version 1 serving with no word."""
+    import logging
+
+    from service.registry import ModelRegistry
+
+    repo = tmp_path / "repo"
+    shutil.copytree(MODELS / "forecaster", repo / "forecaster")
+    (repo / "forecaster" / "2").mkdir()
+    (repo / "gone").symlink_to(tmp_path / "nowhere")  # a link to a model folder that is not there: left out unsaid
+    registry = ModelRegistry(repo, device="cpu")
+    with caplog.at_level(logging.WARNING, logger="rnnserve.registry"):
+        await registry.start()
+        await registry.stop()
+    assert "model forecaster: folder(s) '2' (no model.safetensors) hold no servable version and are left out " \
+           "(versions with a model: 1)" in caplog.text, caplog.text
+    assert f"model folder {repo / 'gone'} is a link to {tmp_path / 'nowhere'}, which does not exist: left out" \
+           in caplog.text
