@@ -331,7 +331,10 @@ class RemoteDataPlane:
         self._fail_pending()
         if self._closing:
             return
-        log.warning("the engine process closed the connection")
+        if self._draining:  # the server is stopping, its engine processes with it: expected, not worth a warning
+            log.debug("the engine process closed the connection while this front-end drained")
+        else:
+            log.warning("the engine process closed the connection")
         if self._on_lost is not None:
             self._on_lost()
 
