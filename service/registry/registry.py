@@ -466,7 +466,7 @@ class ModelRegistry:
             self.metrics.model_engine.labels(model=sv.name, version=sv.label, engine=engine.name).set(1)
         # the CPU path decides speed and whether answers are the same to the bit whatever the batch (the
         # compiled kernels) or within ~1e-7 (NumPy): an operator reads which from the log
-        kernel = engine.describe().get("cpu_kernel") if hasattr(engine, "describe") else None
+        kernel = getattr(engine, "cpu_kernel", None)
         log.info("model %s version %s ready on %s engine%s in %.2fs (max_batch_size %d, max_queue_delay_us %d, "
                  "max_batch_memory %d MiB: %d sequence steps)", sv.name, sv.version, engine.name,
                  f" ({kernel})" if kernel else "", elapsed,

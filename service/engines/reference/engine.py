@@ -64,16 +64,19 @@ class ReferenceEngine(Engine):
             self._params.append([prepare(blk, lw, extras, p, self.dtype, self._native)
                                  for p, lw in enumerate(layers)])
 
-    def describe(self) -> dict[str, Any]:
-        """Engine facts; ``cpu_kernel`` names the cells that run on the C kernels, or why none does."""
+    @property
+    def cpu_kernel(self) -> str:
+        """The cells that run on the C kernels, or why none does."""
         cells = [cell for cell in ("lstm", "gru")
                  if any(blk.cell == cell and any(prm.native is not None for prm in params)
                         for blk, params in zip(self.spec.blocks, self._params))]
         if cells:
-            kernel = f"native {' + '.join(c.upper() for c in cells)} (AVX-512)"
-        else:
-            kernel = f"numpy ({self._native_why if not self._native else 'no plain float32 LSTM or GRU block'})"
-        return {"engine": self.name, "dtype": str(self.dtype), "device": "cpu", "cpu_kernel": kernel}
+            return f"native {' + '.join(c.upper() for c in cells)} (AVX-512)"
+        return f"numpy ({self._native_why if not self._native else 'no plain float32 LSTM or GRU block'})"
+
+    def describe(self) -> dict[str, Any]:
+        """Engine facts; ``cpu_kernel`` names the cells that run on the C kernels, or why none does."""
+        return {"engine": self.name, "dtype": str(self.dtype), "device": "cpu", "cpu_kernel": self.cpu_kernel}
 
     def forward(self, x: Any, lengths: Any = None, h0: Any = None, c0: Any = None) -> EngineOutput:
         """Run the model; see :mod:`service.engines.base` for shapes."""
