@@ -259,8 +259,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             if (self._max_message_bytes is not None
                     and echoed + len(message.encode()) + ANSWER_FRAME_BYTES > self._max_message_bytes):
                 # past the message limit grpc would end the whole call, and every later request's answer with it
-                return pb.ModelStreamInferResponse(error_message=f"{message} (this request's id and model name are "
-                                                                 f"too long to repeat within the message limit)"), status
+                short = pb.ModelStreamInferResponse(error_message=f"{message} (this request's id and model name "
+                                                                  f"are too long to repeat within the message limit)")
+                return short, status
             # The request's identity goes back with the error, so clients can match them.
             return pb.ModelStreamInferResponse(
                 error_message=message,
