@@ -578,6 +578,23 @@ def test_with_triton_grpc_error_requests_after_a_failed_one_get_no_answer(stub, 
     assert [r.infer_response.id for r in stub.ModelStreamInfer(iter(requests), timeout=10)] == ["s0", "s1", "s2"]
 
 
+def test_with_triton_grpc_error_a_stream_moved_behind_the_failed_request_is_ended_before_the_status(stub, fresh):
+    """The chunk of sequence 9 runs beside the failed request. It was cancelled as the call ended; a cancel that
+    landed after the engine moved the stream left it moved, its answer lost and the stream live: the client, told
+    the call failed, resent the chunk and it was applied twice. Now it finishes, and its stream is ended before the
+    status reaches the client."""
+    # s0 is slow, so that all three are read and running before the failure's turn comes (answers go in order)
+    requests = [_stream_request(0, delay_ms=100), _stream_request(1, model="bad"),
+                _stream_request(2, delay_ms=250, sequence_id=9)]
+    replies = []
+    with pytest.raises(grpc.RpcError) as info:
+        for reply in stub.ModelStreamInfer(iter(requests), timeout=10, metadata=(("triton_grpc_error", "true"),)):
+            replies.append(reply)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(replies) == 1
+    assert "s2" in fresh.started and fresh.in_flight == 0  # ran to its end, not cancelled
+    assert [(model, sequence) for model, _, sequence, _, _ in fresh.ended_streams] == [("double", 9)]
+
+
 def _stream_request(i: int, model: str = "double", delay_ms: int = 0, sequence_id=None, final=False):
     x = _x((1, 2, 3)) + i
     request = _raw_request(x)

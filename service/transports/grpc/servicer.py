@@ -194,8 +194,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 response, status = await item[0]
                 window.release()
                 if status is not None and status_errors:
-                    # Triton closes the stream after such an error: later requests are not run (those already
-                    # running are cancelled below, and a stream one of them moved is ended)
+                    # Triton closes the stream after such an error: requests not yet read are not run
+                    reader.cancel()
+                    await self._settle(in_order, caller)
                     await context.abort(*status)
                 answered += 1
                 yield response
@@ -225,13 +226,34 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     # call ended first: the client never saw it, so the stream must not go on from there
                     self._end_undelivered(request, task.result()[0].infer_response.model_version, caller)
 
-    def _end_undelivered(self, request: pb.ModelInferRequest, version: str, caller: int) -> None:
+    async def _settle(self, in_order: asyncio.Queue, caller: int) -> None:
+        """Before a call ends on a failed request (``triton_grpc_error``): let the requests already running finish,
+        and end every stream one of them moved, before the client hears of the failure.
+
+        Cancelling them instead could land after the engine had moved a stream (the answer lost, the stream not
+        ended: the client, told its chunk failed the call, resent it and it was applied twice, one trial in four);
+        and the endings are awaited so that a chunk resent at once on another call finds its stream ended.
+        """
+        endings = []
+        while not in_order.empty():
+            item = in_order.get_nowait()
+            if item is None:
+                continue
+            task, request = item
+            await asyncio.wait([task])
+            if not task.cancelled() and not task.result()[0].error_message and _sequence_key(request):
+                endings.append(self._end_undelivered(request, task.result()[0].infer_response.model_version, caller))
+        if endings:
+            await asyncio.wait(endings)
+
+    def _end_undelivered(self, request: pb.ModelInferRequest, version: str, caller: int) -> asyncio.Future:
         why = ("was ended because the answer to one of its chunks could not be delivered (its ModelStreamInfer call "
                "ended first), so its state is unknown to the client")
         ending = asyncio.ensure_future(self._dataplane.end_stream(
             request.model_name, version, decode_parameters(request.parameters), why, caller))
         self._endings.add(ending)  # held until done: the call's generator is gone by then
         ending.add_done_callback(self._ended)
+        return ending
 
     def _ended(self, ending: asyncio.Future) -> None:
         self._endings.discard(ending)
