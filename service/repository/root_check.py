@@ -19,24 +19,35 @@ def repository_problem(root: Path) -> str | None:
                 f"folder of models (an empty one serves none until models are added and loaded)")
     try:
         entries = list(os.scandir(root))
+        if not os.access(root, os.R_OK | os.X_OK):  # listed, but its folders cannot be entered
+            raise PermissionError(13, "Permission denied")
     except OSError as exc:
         return (f"model repository '{root}' cannot be read ({exc.strerror or exc}); give the server's user "
                 f"(uid {os.getuid()}) read and execute permission on it, or run as its owner")
-    names = {e.name for e in entries}
-    if MODEL_FILE in names:
+    folders = [Path(e.path) for e in entries if _is(Path(e.path), Path.is_dir) and not e.name.startswith(".")]
+    if any(_is_model_folder(f) for f in folders):
+        return None  # a repository, whatever else lies beside its models (a stray file, a misplaced version)
+    if any(e.name == MODEL_FILE for e in entries):
         return (f"'{root}' is a model's version folder (it holds {MODEL_FILE}), not a model repository; pass the "
                 f"folder two levels up, which holds one folder per model (REPO/<name>/<version>/{MODEL_FILE})")
-    folders = [e for e in entries if _is_folder(e) and not e.name.startswith(".")]
-    versions_with_file = [e.name for e in folders if e.name.isdigit() and (Path(e.path) / MODEL_FILE).is_file()]
-    if versions_with_file and all(e.name.isdigit() for e in folders):
-        versions = ", ".join(sorted(versions_with_file, key=int)[:3])
+    if _is_model_folder(root):
+        versions = ", ".join(sorted((f.name for f in folders if _is(f / MODEL_FILE, Path.is_file)), key=int)[:3])
         return (f"'{root}' is a model folder (its version folders {versions} hold {MODEL_FILE}), not a model "
                 f"repository; pass its parent folder, which holds one folder per model")
     return None
 
 
-def _is_folder(entry: os.DirEntry) -> bool:
+def _is_model_folder(folder: Path) -> bool:
+    """A folder holding a version folder (a number) with a model file: what a repository holds, one per model."""
     try:
-        return entry.is_dir()
+        return any(e.name.isdigit() and _is(Path(e.path) / MODEL_FILE, Path.is_file) for e in os.scandir(folder))
+    except OSError:
+        return False
+
+
+def _is(path: Path, test) -> bool:
+    """``test(path)``, False where the path cannot be looked at (Python 3.11's is_file raises on EACCES)."""
+    try:
+        return test(path)
     except OSError:
         return False

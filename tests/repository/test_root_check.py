@@ -30,8 +30,30 @@ def test_a_model_or_version_folder_passed_as_the_repository_is_refused_at_start(
     assert "is a model's version folder" in capsys.readouterr().err
     (repo / "forecaster" / "2").mkdir()  # an empty newer version folder beside it: still a model folder
     assert "its version folders 1 hold model.safetensors" in repository_problem(repo / "forecaster")
-    (repo / "forecaster" / "notes").mkdir()  # a folder that is no version: could be a repository of odd models
-    assert repository_problem(repo / "forecaster") is None
+    (repo / "forecaster" / "notes").mkdir()  # nor does a folder beside them that holds no model
+    assert "is a model folder" in repository_problem(repo / "forecaster")
+
+
+def test_a_repository_with_a_misplaced_file_beside_its_models_is_served(tmp_path):
+    """What a first version of the check refused though its models served: a stray model file at the top, and
+    models named by numbers one of which has its file one level too high."""
+    repo = tmp_path / "repo"
+    shutil.copytree(MODELS / "forecaster", repo / "forecaster")
+    shutil.copy(MODELS / "forecaster" / "1" / "model.safetensors", repo / "model.safetensors")
+    assert repository_problem(repo) is None
+    numbers = tmp_path / "numbers"
+    shutil.copytree(MODELS / "forecaster", numbers / "7")
+    (numbers / "8").mkdir(parents=True)
+    shutil.copy(MODELS / "forecaster" / "1" / "model.safetensors", numbers / "8" / "model.safetensors")
+    assert repository_problem(numbers) is None
+
+
+def test_a_repository_that_can_be_listed_but_not_entered_is_refused(tmp_path, monkeypatch):
+    """Mode 0744 for another user: listed, but its folders cannot be entered. The check passed (or raised
+    PermissionError from Path.is_file), and the server served nothing."""
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if Path(path) == tmp_path else real(path, mode))
+    assert "cannot be read (Permission denied)" in repository_problem(tmp_path)
 
 
 def test_a_repository_the_server_cannot_read_is_refused_at_start(tmp_path, monkeypatch):
