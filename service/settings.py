@@ -177,9 +177,11 @@ class ServeSettings(BaseSettings):
     def _whole_numbers_as_written(cls, value: Any, info: ValidationInfo) -> Any:
         # RNNSERVE_MAX_BATCH_SIZE=8.0 was read as 8, where --max-batch-size 8.0 and config.json refuse it
         if isinstance(value, str) and cls.model_fields[info.field_name].annotation is int:
-            if not re.fullmatch(r"\s*[+-]?\d+\s*", value):
+            try:
+                int(value)  # what the flag's argparse type takes: "8", " +8 ", "8_000"; not "8.0" or "1e3"
+            except ValueError:
                 raise PydanticCustomError("int_parsing", "Input should be a valid integer (a whole number), got {got}",
-                                          {"got": repr(value.strip()[:40])})
+                                          {"got": repr(value.strip()[:40])}) from None
         return value
 
     @field_validator("*", mode="before")
@@ -208,7 +210,7 @@ class ServeSettings(BaseSettings):
             # one process would bind gRPC there first and HTTP would never answer
             http, grpc = _named(("http_port",), overrides), _named(("grpc_port",), overrides)
             raise InvalidInput(f"bad serve settings: {http} and {grpc} are both {settings.http_port}; "
-                               f"give them different ports (0 picks a free one, --grpc-port -1 turns gRPC off)")
+                               f"give them different ports (0 picks a free one, {grpc} -1 turns gRPC off)")
         return settings
 
 
@@ -246,10 +248,31 @@ def _say_overridden_variables(flags: dict[str, Any]) -> None:
 
     for name, value in flags.items():
         var = f"RNNSERVE_{name.upper()}"
-        if var in os.environ and os.environ[var].strip() != str(value):
-            print(f"rnnserve: {var}={os.environ[var]} is overridden by --{name.replace('_', '-')} {value} (flags win "
-                  f"over variables); drop the flag from the command (the image's CMD, a manifest's args) to use "
-                  f"the variable", file=sys.stderr)
+        if var in os.environ and _same_setting(name, os.environ[var], value) is False:
+            # said, not advised against: the image sets its defaults as variables, which a flag rightly overrides
+            print(f"rnnserve: --{name.replace('_', '-')} {value} overrides {var}={os.environ[var]} (a flag wins "
+                  f"over its variable)", file=sys.stderr)
+
+
+def _same_setting(name: str, a: Any, b: Any) -> bool | None:
+    """Whether two spellings of setting ``name`` mean one value (CPU and cpu, 08 and 8, /x/ and /x); None when either
+    is no valid value (the settings' validation then says so)."""
+    import os
+
+    kind = ServeSettings.model_fields[name].annotation
+
+    def norm(v: Any) -> Any:
+        text = str(v).strip()
+        if get_origin(kind) is Literal:
+            return text.lower()
+        if kind in (int, float):
+            return kind(text)
+        return os.path.normpath(text) if kind is Path else text
+
+    try:
+        return norm(a) == norm(b)
+    except ValueError:
+        return None
 
 
 def _refuse_unknown_variables() -> None:

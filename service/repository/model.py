@@ -187,7 +187,7 @@ def resolve_model_path(path: str | Path) -> tuple[Path, int]:
     return path, versions[-1]
 
 
-# A block's tensors besides its weights, by the variant flag that needs them.
+# A block's tensors besides its weights, by the variant flag that needs them ([L*D, 3, H]: rows i, f, o).
 _EXTRAS = ("peephole",)
 _FLOAT_STORED = ("F32", "F16", "BF16", "F64")
 
@@ -200,11 +200,18 @@ def _check_tensors(file: Path, spec: RNNSpec, tensors: dict[str, np.ndarray], st
     if dtype not in STORAGE_DTYPES:
         raise InvalidInput(f"{file}: corrupt metadata: storage dtype {str(dtype)[:40]!r} is not one of "
                            f"{', '.join(STORAGE_DTYPES)}; convert the model again")
-    known = {f"block{k}.{n}" for k in range(len(spec.blocks)) for n in ("weights", *_EXTRAS)}
+    # an extra only where its variant is on: a peephole tensor beside a block without peepholes was used all the same
+    known = {f"block{k}.weights": None for k in range(len(spec.blocks))}
+    known.update({f"block{k}.{n}": (blk.pseudo_layers, 3, blk.hidden_size)
+                  for k, blk in enumerate(spec.blocks) for n in _EXTRAS if blk.variant.get(n)})
     for name, arr in tensors.items():
         if name not in known:
             raise InvalidInput(f"{file} has a tensor '{name[:80]}' that no part of the model uses (rnnserve writes "
-                               f"block<k>.weights and block<k>.peephole); convert the model again")
+                               f"block<k>.weights, and block<k>.peephole for an LSTM with peepholes); convert the "
+                               f"model again")
+        if known[name] is not None and tuple(arr.shape) != known[name]:
+            raise InvalidInput(f"{file}: tensor '{name}' has shape {list(arr.shape)}, its block needs "
+                               f"{list(known[name])}; convert the model again")
         if stored.get(name) not in _FLOAT_STORED:
             raise InvalidInput(f"{file}: tensor '{name}' is stored as {stored.get(name)}, not as floats; "
                                f"convert the model again")

@@ -330,3 +330,15 @@ async def test_a_model_s_ready_line_names_its_cpu_path(tmp_path, caplog, monkeyp
         await registry.start()
         await registry.stop()
     assert "model good version 1 ready on reference engine (numpy (" in caplog.text, caplog.text
+
+
+def test_a_peephole_tensor_needs_a_peephole_block_and_its_shape(tmp_path):
+    """A block0.peephole beside an LSTM without peepholes was used (the NumPy cell reads it whenever the block is not
+    plain cuDNN, e.g. with a clip): other answers, no word; one of the wrong shape broadcast into wrong answers."""
+    path = _saved(tmp_path)
+    header, body = _header(path)
+    end = len(body)
+    header["block0.peephole"] = {"dtype": "F32", "shape": [1, 3, 4], "data_offsets": [end, end + 48]}
+    _rewrite(path, header, body + bytes(48))
+    with pytest.raises(InvalidInput, match="has a tensor 'block0.peephole' that no part of the model uses"):
+        load_model(path.parent.parent)

@@ -174,8 +174,14 @@ def test_a_variable_overridden_by_a_flag_is_named(monkeypatch, capsys):
     settings = ServeSettings.from_args(["--device", "auto", "--max-queue-size", "7"])
     assert settings.device == "auto" and settings.max_queue_size == 7
     err = capsys.readouterr().err
-    assert "RNNSERVE_DEVICE=cpu is overridden by --device auto (flags win over variables)" in err
+    assert "--device auto overrides RNNSERVE_DEVICE=cpu (a flag wins over its variable)" in err
     assert "RNNSERVE_MAX_QUEUE_SIZE" not in err  # the same value: nothing to say
+    for var, value, flag, given in (("RNNSERVE_DEVICE", "CPU", "--device", "cpu"),
+                                    ("RNNSERVE_MAX_QUEUE_SIZE", "08", "--max-queue-size", "8"),
+                                    ("RNNSERVE_REPOSITORY", "/x/", "--repository", "/x")):
+        monkeypatch.setenv(var, value)
+        ServeSettings.from_args([flag, given])
+        assert "overrides" not in capsys.readouterr().err, (var, value)  # one value, spelt two ways
 
 
 def test_a_variable_is_read_as_strictly_as_its_flag(monkeypatch):
