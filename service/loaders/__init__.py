@@ -62,20 +62,21 @@ def convert(source: Any, format: str | None = None, select: str | None = None, c
     result's ``provenance['verification']`` records the measured difference.
     """
     path = Path(source)
-    if not path.exists():
-        raise ConversionError(f"source file '{path}' does not exist")
-    if path.is_dir():
-        raise ConversionError(f"'{path}' is a folder; pass the model file itself (.pt, .keras, .h5, .onnx, ...)")
-    if select is not None and not any(s.strip() for s in select.split(",")):
-        raise ConversionError("--select is empty; name the layers to convert (comma separated), or leave it out")
-    if not path.is_file():
-        raise ConversionError(f"'{path}' is not a regular file (a device, pipe or socket); pass the model file itself")
-    try:
+    try:  # Python 3.11's exists() raises in a folder the user cannot search
+        if not path.exists():
+            raise ConversionError(f"source file '{path}' does not exist")
+        if path.is_dir():
+            raise ConversionError(f"'{path}' is a folder; pass the model file itself (.pt, .keras, .h5, .onnx, ...)")
+        if not path.is_file():
+            raise ConversionError(f"'{path}' is not a regular file (a device, pipe or socket); pass the model file "
+                                  f"itself")
         with open(path, "rb"):
             pass
     except OSError as exc:  # read by each framework's own loader, which said "truncated or corrupt", or a traceback
         raise ConversionError(f"'{path}' cannot be read ({exc.strerror or exc}); give your user read permission "
-                              f"on it, or convert a copy you can read") from None
+                              f"on it and on its folders, or convert a copy you can read") from None
+    if select is not None and not any(s.strip() for s in select.split(",")):
+        raise ConversionError("--select is empty; name the layers to convert (comma separated), or leave it out")
     fmt = detect_format(path) if format in (None, "auto") else format
     loaded = load_source(path, fmt, select, cell, **options)
     spec, buffers, extras = assemble(loaded.layers)

@@ -170,7 +170,10 @@ class ModelRegistry:
         try:
             return self._models[name]
         except KeyError:
-            if _NAME.fullmatch(name) and self._is_folder(name):  # one stat, not a scan
+            folder = False
+            with contextlib.suppress(Unavailable):  # an unreadable repository: unknown is all that can be said
+                folder = _NAME.fullmatch(name) is not None and self._is_folder(name)
+            if folder:  # one stat, not a scan
                 if not self._scanned:  # a front-end may ask before the engine process's scan ran
                     raise Unavailable(f"model '{name}' is not ready: the server is starting and loads the "
                                       f"repository's models") from None
@@ -329,7 +332,11 @@ class ModelRegistry:
         """Drop what lost its folder: a deleted model's versions that do not serve (failed or unloaded), and the
         model once none remain, so the index lists the repository as it is and such a model's metadata is 404,
         not 503 "not ready". Serving versions keep serving until unloaded; a model being loaded is left to its load."""
-        for name in [n for n in self._models if not self._is_folder(n)]:
+        try:
+            gone = [n for n in self._models if not self._is_folder(n)]
+        except Unavailable:  # an unreadable repository: nothing is known gone, and the index still answers
+            return
+        for name in gone:
             entry = self._models.get(name)
             if entry is not None and not entry.lock.locked():
                 await self._forget_removed(name)

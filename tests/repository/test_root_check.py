@@ -74,7 +74,7 @@ def test_a_repository_the_server_cannot_read_is_refused_at_start(tmp_path, monke
 @pytest.mark.asyncio
 async def test_a_repository_that_becomes_unreadable_answers_loads_with_unavailable(tmp_path, monkeypatch):
     """Permissions changed under a running server: a load or unload answered a bare 500 (PermissionError)."""
-    from service.errors import Unavailable
+    from service.errors import NotFound, Unavailable
     from service.registry import ModelRegistry
 
     repo = tmp_path / "repo"
@@ -94,7 +94,10 @@ async def test_a_repository_that_becomes_unreadable_answers_loads_with_unavailab
                                               r"give the server's user read and execute permission on it"):
             await registry.load("forecaster")
         await registry.unload("forecaster")  # needs no file: done, and the model stays listed as unloaded
+        await registry.forget_removed()  # what the index does first: it answered 503 while the repository was shut
         assert [(r["name"], r["reason"]) for r in registry.index()] == [("forecaster", "unloaded")]
+        with pytest.raises(NotFound, match="unknown model 'other'"):  # not 503: nothing says it will come
+            registry.entry("other")
     finally:
         monkeypatch.undo()
         await registry.stop()
