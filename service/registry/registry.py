@@ -260,9 +260,9 @@ class ModelRegistry:
             entries = list(self.repository.iterdir())
             names = sorted(p.name for p in entries if p.is_dir() and not p.name.startswith("."))
             for p in entries:
-                if p.is_symlink() and not p.exists():  # left out like a file, but meant as a model: say so
-                    log.warning("model folder %s is a link to %s, which does not exist: left out", p,
-                                os.readlink(p))
+                if p.is_symlink() and not p.exists() and not p.name.startswith("."):  # meant as a model: say so
+                    log.warning("model folder %s is a link to %s, which cannot be followed (missing, or a loop): "
+                                "left out", p, os.readlink(p))
         for name in names:
             self._models.setdefault(name, ModelEntry(name, state=ModelState.LOADING))
         self._scanned = True
@@ -422,7 +422,8 @@ class ModelRegistry:
             seen = f"; its folders hold none: {', '.join(others)}" if others else ""
             raise InvalidInput(f"model folder {model_dir} has no version folder with a model.safetensors "
                                f"(expected {model_dir}/1/model.safetensors){seen}")
-        others = unserved_folders(model_dir)
+        # folders meant as versions (a number in the name: '2' without its file, '02', 'v2'), not docs or notebooks
+        others = [o for o in unserved_folders(model_dir) if any(c.isdigit() for c in o.split("'")[1])]
         if others:
             # a newer version copied in halfway (no model.safetensors yet) left the older one serving without a word
             log.warning("model %s: folder(s) %s hold no servable version and are left out (versions with a model: "
@@ -476,7 +477,7 @@ class ModelRegistry:
         kernel = getattr(engine, "cpu_kernel", None)
         log.info("model %s version %s ready on %s engine%s in %.2fs (max_batch_size %d, max_queue_delay_us %d, "
                  "max_batch_memory %d MiB: %d sequence steps)", sv.name, sv.version, engine.name,
-                 f" ({kernel})" if kernel else "", elapsed,
+                 f", {kernel}," if kernel else "", elapsed,
                  cfg.max_batch_size, cfg.max_queue_delay_us, sv.budget.limit_bytes >> 20, sv.budget.max_steps)
         return None
 

@@ -113,6 +113,7 @@ async def test_a_version_folder_without_a_model_file_is_logged(tmp_path, caplog)
     repo = tmp_path / "repo"
     shutil.copytree(MODELS / "forecaster", repo / "forecaster")
     (repo / "forecaster" / "2").mkdir()
+    (repo / "forecaster" / "docs").mkdir()
     (repo / "gone").symlink_to(tmp_path / "nowhere")  # a link to a model folder that is not there: left out unsaid
     registry = ModelRegistry(repo, device="cpu")
     with caplog.at_level(logging.WARNING, logger="rnnserve.registry"):
@@ -120,5 +121,6 @@ async def test_a_version_folder_without_a_model_file_is_logged(tmp_path, caplog)
         await registry.stop()
     assert "model forecaster: folder(s) '2' (no model.safetensors) hold no servable version and are left out " \
            "(versions with a model: 1)" in caplog.text, caplog.text
-    assert f"model folder {repo / 'gone'} is a link to {tmp_path / 'nowhere'}, which does not exist: left out" \
-           in caplog.text
+    assert f"model folder {repo / 'gone'} is a link to {tmp_path / 'nowhere'}, which cannot be followed (missing, " \
+           f"or a loop): left out" in caplog.text
+    assert "'docs'" not in caplog.text  # a folder that is no version is not warned about on every load

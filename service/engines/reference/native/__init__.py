@@ -25,7 +25,7 @@ The GRU kernel runs cuDNN's (and PyTorch's) form, the reset gate applied after t
 recurrent product: n = tanh(W_n x + bW_n + r * (R_n h + bR_n)). The NumPy path stays the
 exact reference and the fallback: it runs float64, every variant (peepholes, clip, other
 activations, coupled gates, reset-before GRU, reversed blocks), RNN cells, and every
-block where the extension was not built (no C compiler at install time), the CPU lacks
+block where the extension was not built (the package not installed, or no C compiler), the CPU lacks
 AVX-512, or ``RNNSERVE_NATIVE_CPU=0`` is set.
 """
 from __future__ import annotations
@@ -67,7 +67,8 @@ def status() -> tuple[bool, str]:
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return False, f"{ENV_SWITCH}=0"
     if _kernels is None:
-        return False, "extension not built (no C compiler at install time)"
+        return False, ("the compiled kernels are not built: install the package (pip install -e . or make serve; "
+                       "a C compiler is needed) rather than running from the source folder")
     if not _kernels.supported():
         return False, "CPU has no AVX-512"
     return True, "native LSTM and GRU kernels (AVX-512)"
