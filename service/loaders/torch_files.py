@@ -229,8 +229,9 @@ def _script_type(module: Any) -> str:
 def _quantized(path: Path, what: str) -> ConversionError:
     return ConversionError(
         f"'{path.name}' {what}: torch.ao.quantization.quantize_dynamic packs a recurrent layer's weights (int8 or "
-        f"float16) into objects that hold no plain tensors, and rnnserve serves float weights. Save the state dict of the model from before quantizing, and convert that "
-        f"(rnnserve can store it as float16 with --dtype float16)")
+        f"float16) into objects that hold no plain tensors, and rnnserve serves float weights. Save the state dict "
+        f"of the model from before quantizing, and convert that (rnnserve can store it as float16 with --dtype "
+        f"float16)")
 
 
 def _traced_rnn_modes(module: Any, tensors: dict[str, Any], modes: dict[str, str]) -> None:

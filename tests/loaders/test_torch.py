@@ -399,7 +399,8 @@ def _bad_files(tmp_path):
                       r"does: .*Save the state dict of the model from before quantizing"),
         # it said "no recurrent weights" (its packed weights are no tensors)
         "quantized_script": ((tmp_path / "quantized_script.pt").read_bytes(), "model.pt",
-                             r"'model.pt' is a quantized model \(its '0' is torch.ao.nn.quantized.dynamic.modules.rnn.LSTM\)"
+                             r"'model.pt' is a quantized model \(its '0' is "
+                             r"torch.ao.nn.quantized.dynamic.modules.rnn.LSTM\)"
                              r": .*Save the state dict of the model from before quantizing"),
         "whole_module": ((tmp_path / "whole.pt").read_bytes(), "model.pt",
                          r"'model.pt' holds pickled Python objects, not only tensors \(it contains torch.nn.modules.rnn"

@@ -329,7 +329,8 @@ async def test_a_model_s_ready_line_names_its_cpu_path(tmp_path, caplog, monkeyp
     with caplog.at_level(logging.INFO, logger="rnnserve.registry"):
         await registry.start()
         await registry.stop()
-    assert "model good version 1 ready on reference engine, numpy (RNNSERVE_NATIVE_CPU=0), in" in caplog.text, caplog.text
+    assert "model good version 1 ready on reference engine, numpy (RNNSERVE_NATIVE_CPU=0), in" in caplog.text, \
+        caplog.text
 
 
 def test_a_peephole_tensor_needs_a_peephole_block_and_its_shape(tmp_path):
