@@ -421,7 +421,8 @@ def _bad_files(tmp_path):
     }
 
 
-BAD_FILE_CASES = ["whole_module", "quantized", "quantized_script", "tensor_not_dict", "truncated_pt", "truncated_safetensors", "garbage_safetensors",
+BAD_FILE_CASES = ["whole_module", "quantized", "quantized_script", "tensor_not_dict", "truncated_pt",
+                  "truncated_safetensors", "garbage_safetensors",
                   "onnx_renamed", "hdf5_renamed", "empty", "pickle_garbage", "zip_not_torch"]
 
 
