@@ -595,6 +595,23 @@ def test_with_triton_grpc_error_a_stream_moved_behind_the_failed_request_is_ende
     assert [(model, sequence) for model, _, sequence, _, _ in fresh.ended_streams] == [("double", 9)]
 
 
+def test_with_triton_grpc_error_a_chunk_still_running_when_the_client_cancels_is_cancelled(stub, fresh):
+    """The client cancels while the call waits for the chunks running beside the failed request: the chunk being
+    waited for had been taken out of the call's queue, so the call's cleanup never saw it; it ran on, moved its
+    stream, and nothing ended it (a resent chunk was applied twice). Now it is cancelled (which ends its stream in
+    the dataplane)."""
+    requests = [_stream_request(0, delay_ms=100), _stream_request(1, model="bad"),
+                _stream_request(2, delay_ms=3000, sequence_id=9)]
+    call = stub.ModelStreamInfer(iter(requests), timeout=10, metadata=(("triton_grpc_error", "true"),))
+    assert next(call).infer_response.id == "s0"  # then the failure's turn: the call waits for s2
+    time.sleep(0.3)
+    call.cancel()
+    deadline = time.monotonic() + 2
+    while fresh.in_flight and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "s2" in fresh.started and fresh.in_flight == 0, "the running chunk was left to run on"
+
+
 def _stream_request(i: int, model: str = "double", delay_ms: int = 0, sequence_id=None, final=False):
     x = _x((1, 2, 3)) + i
     request = _raw_request(x)

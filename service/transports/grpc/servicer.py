@@ -240,7 +240,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             if item is None:
                 continue
             task, request = item
-            await asyncio.wait([task])
+            try:
+                await asyncio.wait([task])
+            except asyncio.CancelledError:
+                # the call itself ends (the client cancelled, its deadline passed): the chunk goes back to the
+                # cleanup in ModelStreamInfer, which cancels it or ends the stream it moved (taken out here, it ran
+                # on unseen and its stream stayed moved: a resent chunk was applied twice)
+                in_order.put_nowait(item)
+                raise
             if not task.cancelled() and not task.result()[0].error_message and _sequence_key(request):
                 endings.append(self._end_undelivered(request, task.result()[0].infer_response.model_version, caller))
         if endings:
