@@ -248,7 +248,7 @@ def _say_overridden_variables(flags: dict[str, Any]) -> None:
 
     for name, value in flags.items():
         var = f"RNNSERVE_{name.upper()}"
-        if var in os.environ and _same_setting(name, os.environ[var], value) is False:
+        if var in os.environ and _same_setting(name, os.environ[var], value) is not True:  # an invalid one too
             # said, not advised against: the image sets its defaults as variables, which a flag rightly overrides
             print(f"rnnserve: --{name.replace('_', '-')} {value} overrides {var}={os.environ[var]} (a flag wins "
                   f"over its variable)", file=sys.stderr)
@@ -265,6 +265,8 @@ def _same_setting(name: str, a: Any, b: Any) -> bool | None:
         text = str(v).strip()
         if get_origin(kind) is Literal:
             return text.lower()
+        if name == "host" and text.startswith("[") and text.endswith("]"):
+            return text[1:-1]
         if kind in (int, float):
             return kind(text)
         return os.path.normpath(text) if kind is Path else text

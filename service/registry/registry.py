@@ -26,7 +26,7 @@ from functools import cached_property
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..engines import create_engine
 from ..errors import InvalidInput, NotFound, RNNServeError, Unavailable
@@ -117,6 +117,14 @@ def check_serving(served: ServedVersion) -> ServedVersion:
     return served
 
 
+def _is(test: Callable[[], bool], unreadable: bool = False) -> bool:
+    """``test()``, or ``unreadable`` where the path cannot be looked at (Python 3.11 raises on EACCES)."""
+    try:
+        return test()
+    except OSError:
+        return unreadable
+
+
 def _check_name(name: str) -> None:
     """InvalidInput unless ``name`` can be a model's (and so a folder's that load and unload act on)."""
     if not _NAME.fullmatch(name):
@@ -188,8 +196,8 @@ class ModelRegistry:
         try:
             return (self.repository / name).is_dir()
         except OSError as exc:
-            raise Unavailable(f"the model repository {self.repository} cannot be read ({exc.strerror or exc}); give "
-                              f"the server's user read and execute permission on it") from None
+            raise Unavailable(f"{self.repository / name} cannot be read ({exc.strerror or exc}); give the server's "
+                              f"user read and execute permission on it and on the folders above it") from None
 
     def unseen(self) -> list[str]:
         """Model folders of the repository that this server has not loaded or tried to (added after it started)."""
@@ -257,10 +265,12 @@ class ModelRegistry:
             log.warning("model repository %s does not exist; serving no models", self.repository)
             names: list[str] = []
         else:
-            entries = list(self.repository.iterdir())
-            names = sorted(p.name for p in entries if p.is_dir() and not p.name.startswith("."))
+            entries = [p for p in self.repository.iterdir() if not p.name.startswith(".")]
+            # a folder that cannot be looked at (a link into a folder the server may not enter) is a model that
+            # fails with its reason; it raised out of the scan, and the server never became ready
+            names = sorted(p.name for p in entries if _is(p.is_dir, unreadable=True))
             for p in entries:
-                if p.is_symlink() and not p.exists() and not p.name.startswith("."):  # meant as a model: say so
+                if _is(p.is_symlink) and not _is(p.exists, unreadable=True):  # meant as a model: say so
                     log.warning("model folder %s is a link to %s, which cannot be followed (missing, or a loop): "
                                 "left out", p, os.readlink(p))
         for name in names:
@@ -423,7 +433,8 @@ class ModelRegistry:
             raise InvalidInput(f"model folder {model_dir} has no version folder with a model.safetensors "
                                f"(expected {model_dir}/1/model.safetensors){seen}")
         # folders meant as versions (a number in the name: '2' without its file, '02', 'v2'), not docs or notebooks
-        others = [o for o in unserved_folders(model_dir) if any(c.isdigit() for c in o.split("'")[1])]
+        others = [o for o in unserved_folders(model_dir)
+                  if any(c.isdigit() for c in o.split("'")[1]) and not o.startswith("'.")]
         if others:
             # a newer version copied in halfway (no model.safetensors yet) left the older one serving without a word
             log.warning("model %s: folder(s) %s hold no servable version and are left out (versions with a model: "

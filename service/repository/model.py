@@ -90,15 +90,20 @@ class PackedModel:
         model_dir = Path(repository) / name
         vdir = model_dir / str(int(version))
         out = vdir / "model.safetensors"
-        if not replace and out.exists():
-            raise InvalidInput(f"'{out}' exists: version {int(version)} of '{name}' is converted already; pick "
-                               f"another --version, or pass --overwrite to replace it")
-        for d, what, flag in ((Path(repository), "the repository", "--repository"),
-                              (model_dir, f"model '{name}'", "--name"), (vdir, f"version {int(version)}", "--version")):
-            if d.exists() and not d.is_dir():  # the write's "Not a directory" named neither the file nor the fix
-                raise InvalidInput(f"'{d}' is a file where the folder of {what} goes; move it away, or pick "
-                                   f"another {flag}")
-        made = [d for d in (Path(repository), model_dir, vdir) if not d.exists()]
+        try:  # Python 3.11's exists() raises inside a folder the user cannot enter
+            if not replace and out.exists():
+                raise InvalidInput(f"'{out}' exists: version {int(version)} of '{name}' is converted already; pick "
+                                   f"another --version, or pass --overwrite to replace it")
+            for d, what, flag in ((Path(repository), "the repository", "--repository"),
+                                  (model_dir, f"model '{name}'", "--name"),
+                                  (vdir, f"version {int(version)}", "--version")):
+                if d.exists() and not d.is_dir():  # the write's "Not a directory" named neither the file nor the fix
+                    raise InvalidInput(f"'{d}' is a file where the folder of {what} goes; move it away, or pick "
+                                       f"another {flag}")
+            made = [d for d in (Path(repository), model_dir, vdir) if not d.exists()]
+        except OSError as exc:
+            raise InvalidInput(f"cannot write the model to '{out}': {exc.strerror or exc}; pick a --repository "
+                               f"folder you can write to") from exc
         try:
             vdir.mkdir(parents=True, exist_ok=True)
             save_tensors(out, tensors, metadata, bfloat16=bf16)
@@ -136,8 +141,17 @@ def model_versions(model_dir: Path) -> list[int]:
     """Version numbers present under ``model_dir`` (folders named by integers holding model.safetensors)."""
     if not model_dir.is_dir():
         return []
+    # a version folder the server may not enter is left out (unserved_folders says why), not the whole model
     return sorted(int(p.name) for p in model_dir.iterdir()
-                  if p.is_dir() and version_number(p.name) is not None and (p / "model.safetensors").exists())
+                  if version_number(p.name) is not None and _readable(p / "model.safetensors") is True)
+
+
+def _readable(file: Path) -> bool | None:
+    """Whether ``file`` exists, or None where its folder cannot be entered (Python 3.11's exists() raises)."""
+    try:
+        return file.exists()
+    except OSError:
+        return None
 
 
 def unserved_folders(model_dir: Path) -> list[str]:
@@ -151,7 +165,9 @@ def unserved_folders(model_dir: Path) -> list[str]:
             continue
         if version_number(p.name) is None:
             found.append(f"'{p.name}' (not a version number: 1, 2, ... without leading zeros)")
-        elif not (p / "model.safetensors").exists():
+        elif (present := _readable(p / "model.safetensors")) is None:
+            found.append(f"'{p.name}' (cannot be read: give the server's user read and execute permission on it)")
+        elif not present:
             found.append(f"'{p.name}' (no model.safetensors)")
     return found
 

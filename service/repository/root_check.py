@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .model import version_number
+
 MODEL_FILE = "model.safetensors"
 
 
@@ -31,18 +33,23 @@ def repository_problem(root: Path) -> str | None:
         return (f"'{root}' is a model's version folder (it holds {MODEL_FILE}), not a model repository; pass the "
                 f"folder two levels up, which holds one folder per model (REPO/<name>/<version>/{MODEL_FILE})")
     if _is_model_folder(root):
-        versions = ", ".join(sorted((f.name for f in folders if _is(f / MODEL_FILE, Path.is_file)), key=int)[:3])
+        versions = ", ".join(sorted((f.name for f in folders if _is_version(f)), key=int)[:3])
         return (f"'{root}' is a model folder (its version folders {versions} hold {MODEL_FILE}), not a model "
                 f"repository; pass its parent folder, which holds one folder per model")
     return None
 
 
 def _is_model_folder(folder: Path) -> bool:
-    """A folder holding a version folder (a number) with a model file: what a repository holds, one per model."""
+    """A folder holding a version folder with a model file: what a repository holds, one per model."""
     try:
-        return any(e.name.isdigit() and _is(Path(e.path) / MODEL_FILE, Path.is_file) for e in os.scandir(folder))
+        return any(_is_version(Path(e.path)) for e in os.scandir(folder))
     except OSError:
         return False
+
+
+def _is_version(folder: Path) -> bool:
+    """A version folder as the registry reads one (1, 2, ...: not 01 or a backup) that holds a model file."""
+    return version_number(folder.name) is not None and _is(folder / MODEL_FILE, Path.is_file)
 
 
 def _is(path: Path, test) -> bool:

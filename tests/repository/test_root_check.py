@@ -32,6 +32,9 @@ def test_a_model_or_version_folder_passed_as_the_repository_is_refused_at_start(
     assert "its version folders 1 hold model.safetensors" in repository_problem(repo / "forecaster")
     (repo / "forecaster" / "notes").mkdir()  # nor does a folder beside them that holds no model
     assert "is a model folder" in repository_problem(repo / "forecaster")
+    (repo / "forecaster" / "backup").mkdir()  # nor one with a model file that is no version (it raised ValueError)
+    shutil.copy(repo / "forecaster" / "1" / "model.safetensors", repo / "forecaster" / "backup")
+    assert "its version folders 1 hold" in repository_problem(repo / "forecaster")
 
 
 def test_a_repository_with_a_misplaced_file_beside_its_models_is_served(tmp_path):
@@ -90,7 +93,7 @@ async def test_a_repository_that_becomes_unreadable_answers_loads_with_unavailab
             return real(path)
 
         monkeypatch.setattr(Path, "is_dir", refused)
-        with pytest.raises(Unavailable, match=r"the model repository .* cannot be read \(Permission denied\); "
+        with pytest.raises(Unavailable, match=r"forecaster cannot be read \(Permission denied\); "
                                               r"give the server's user read and execute permission on it"):
             await registry.load("forecaster")
         await registry.unload("forecaster")  # needs no file: done, and the model stays listed as unloaded
@@ -124,3 +127,50 @@ async def test_a_version_folder_without_a_model_file_is_logged(tmp_path, caplog)
     assert f"model folder {repo / 'gone'} is a link to {tmp_path / 'nowhere'}, which cannot be followed (missing, " \
            f"or a loop): left out" in caplog.text
     assert "'docs'" not in caplog.text  # a folder that is no version is not warned about on every load
+
+
+@pytest.mark.asyncio
+async def test_a_model_folder_that_cannot_be_looked_at_fails_alone(tmp_path, monkeypatch):
+    """A link into a folder the server may not enter raised out of the scan: the server never became ready and
+    listed nothing. Now that model is UNAVAILABLE with why, and the others serve."""
+    from service.registry import ModelRegistry
+
+    repo = tmp_path / "repo"
+    shutil.copytree(MODELS / "forecaster", repo / "forecaster")
+    (repo / "locked").mkdir()
+    real_dir, real_exists = Path.is_dir, Path.exists
+
+    def guarded(real):
+        def test(path):
+            if path == repo / "locked":
+                raise PermissionError(13, "Permission denied")
+            return real(path)
+        return test
+
+    monkeypatch.setattr(Path, "is_dir", guarded(real_dir))
+    monkeypatch.setattr(Path, "exists", guarded(real_exists))
+    registry = ModelRegistry(repo, device="cpu")
+    await registry.start()
+    try:
+        rows = {r["name"]: r for r in registry.index()}
+    finally:
+        monkeypatch.undo()
+        await registry.stop()
+    assert rows["forecaster"]["state"] == "READY"
+    assert rows["locked"]["state"] == "UNAVAILABLE" and "locked cannot be read (Permission denied)" in \
+        rows["locked"]["reason"], rows["locked"]
+
+
+def test_a_version_folder_that_cannot_be_entered_leaves_the_others_serving(tmp_path, monkeypatch):
+    """A locked version folder 2 beside a good 1 made the whole model UNAVAILABLE (PermissionError)."""
+    from service.repository.model import model_versions, unserved_folders
+
+    model = tmp_path / "m"
+    shutil.copytree(MODELS / "forecaster" / "1", model / "1")
+    (model / "2").mkdir()
+    real = Path.exists
+    monkeypatch.setattr(Path, "exists", lambda p: (_ for _ in ()).throw(PermissionError(13, "Permission denied"))
+                        if p.parent == model / "2" else real(p))
+    assert model_versions(model) == [1]
+    assert unserved_folders(model) == ["'2' (cannot be read: give the server's user read and execute permission on "
+                                       "it)"]

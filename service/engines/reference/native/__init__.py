@@ -67,8 +67,8 @@ def status() -> tuple[bool, str]:
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return False, f"{ENV_SWITCH}=0"
     if _kernels is None:
-        return False, ("the compiled kernels are not built: install the package (pip install -e . or make serve; "
-                       "a C compiler is needed) rather than running from the source folder")
+        return False, ("the compiled kernels are not built, which installing the package does with a C compiler "
+                       "present: pip install -e . or make serve")
     if not _kernels.supported():
         return False, "CPU has no AVX-512"
     return True, "native LSTM and GRU kernels (AVX-512)"
