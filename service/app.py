@@ -257,7 +257,7 @@ async def serve(settings: ServeSettings, dataplane: DataPlane | None = None,
 
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({stopper, transports.http_task}, return_when=asyncio.FIRST_COMPLETED)
-    log.info("rnnserve: draining in-flight requests (up to %.0fs)", settings.drain_timeout_s)
+    log.info("rnnserve: draining in-flight requests (up to %gs)", settings.drain_timeout_s)
     dataplane.begin_drain()
     await transports.drain(settings)
     stopper.cancel()

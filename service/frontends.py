@@ -142,7 +142,7 @@ async def serve_with_frontends(settings: ServeSettings, stop_event: asyncio.Even
             dead = [_how_it_ended(p) for p in engines + frontends if not p.is_alive()]
         watch.cancel()
         stopper.cancel()
-        log.info("rnnserve: draining in-flight requests (up to %.0fs)", settings.drain_timeout_s)
+        log.info("rnnserve: draining in-flight requests (up to %gs)", settings.drain_timeout_s)
         host.dataplane.begin_drain()
         if http_listener is not None:
             # with the front-ends' copies (closed as they drain) gone, new connections are refused at once rather

@@ -272,9 +272,10 @@ def _same_setting(name: str, a: Any, b: Any) -> bool | None:
         return os.path.normpath(text) if kind is Path else text
 
     try:
-        return norm(a) == norm(b)
+        x, y = norm(a), norm(b)
     except ValueError:
         return None
+    return x == y or (isinstance(x, float) and x != x and y != y)  # nan and nan: one (invalid) value
 
 
 def _refuse_unknown_variables() -> None:

@@ -202,8 +202,8 @@ class ModelRegistry:
     def unseen(self) -> list[str]:
         """Model folders of the repository that this server has not loaded or tried to (added after it started)."""
         try:
-            folders = [p.name for p in self.repository.iterdir() if p.is_dir()]
-        except OSError:
+            folders = [p.name for p in self.repository.iterdir() if _is(p.is_dir, unreadable=True)]
+        except OSError:  # the repository itself cannot be listed; one link that cannot be followed hid every row
             return []
         return sorted(n for n in folders if n not in self._models and _NAME.fullmatch(n))
 

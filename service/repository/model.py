@@ -161,7 +161,11 @@ def unserved_folders(model_dir: Path) -> list[str]:
         return []
     found = []
     for p in sorted(model_dir.iterdir(), key=lambda p: p.name):
-        if not p.is_dir():
+        try:
+            if not p.is_dir():
+                continue
+        except OSError:  # a link into a folder the server may not enter
+            found.append(f"'{p.name}' (cannot be read: give the server's user read and execute permission on it)")
             continue
         if version_number(p.name) is None:
             found.append(f"'{p.name}' (not a version number: 1, 2, ... without leading zeros)")

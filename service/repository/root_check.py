@@ -16,10 +16,11 @@ MODEL_FILE = "model.safetensors"
 
 def repository_problem(root: Path) -> str | None:
     """What is wrong with ``root`` as a model repository, said as the fix; None when it can be served."""
-    if not root.is_dir():
+    if not _is(root, Path.is_dir, unreadable=True):
         return (f"model repository '{root}' is not a folder; pass --repository DIR (or RNNSERVE_REPOSITORY) naming a "
                 f"folder of models (an empty one serves none until models are added and loaded)")
     try:
+        root.stat()  # inside a folder the server may not enter: refused here, where it raised out of is_dir
         entries = list(os.scandir(root))
         if not os.access(root, os.R_OK | os.X_OK):  # listed, but its folders cannot be entered
             raise PermissionError(13, "Permission denied")
@@ -52,9 +53,9 @@ def _is_version(folder: Path) -> bool:
     return version_number(folder.name) is not None and _is(folder / MODEL_FILE, Path.is_file)
 
 
-def _is(path: Path, test) -> bool:
-    """``test(path)``, False where the path cannot be looked at (Python 3.11's is_file raises on EACCES)."""
+def _is(path: Path, test, unreadable: bool = False) -> bool:
+    """``test(path)``, or ``unreadable`` where the path cannot be looked at (Python 3.11's is_file raises on EACCES)."""
     try:
         return test(path)
     except OSError:
-        return False
+        return unreadable

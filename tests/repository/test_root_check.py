@@ -174,3 +174,68 @@ def test_a_version_folder_that_cannot_be_entered_leaves_the_others_serving(tmp_p
     assert model_versions(model) == [1]
     assert unserved_folders(model) == ["'2' (cannot be read: give the server's user read and execute permission on "
                                        "it)"]
+
+
+def test_a_repository_inside_a_folder_the_server_may_not_enter_is_refused(tmp_path, monkeypatch):
+    """Its is_dir() raised PermissionError out of the check: a traceback at start instead of the one-line refusal."""
+    repo = tmp_path / "locked" / "repo"
+    real = Path.is_dir
+
+    def refused(path):
+        if path == repo:
+            raise PermissionError(13, "Permission denied")
+        return real(path)
+
+    def denied(path, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "is_dir", refused)
+    monkeypatch.setattr(Path, "stat", denied)
+    problem = repository_problem(repo)
+    assert problem is not None and "cannot be read (Permission denied)" in problem, problem
+
+
+def test_a_version_link_that_cannot_be_followed_leaves_the_others_serving(tmp_path, monkeypatch):
+    """A version folder that is a link into a locked folder: unserved_folders' is_dir() raised, and the whole model
+    failed (model_versions had been fixed for a locked folder, not for a link)."""
+    from service.repository.model import model_versions, unserved_folders
+
+    model = tmp_path / "m"
+    shutil.copytree(MODELS / "forecaster" / "1", model / "1")
+    (model / "2").mkdir()
+    real_dir, real_exists = Path.is_dir, Path.exists
+
+    def guarded(real):
+        def test(path):
+            if path == model / "2" or path.parent == model / "2":
+                raise PermissionError(13, "Permission denied")
+            return real(path)
+        return test
+
+    monkeypatch.setattr(Path, "is_dir", guarded(real_dir))
+    monkeypatch.setattr(Path, "exists", guarded(real_exists))
+    assert model_versions(model) == [1]
+    assert unserved_folders(model) == ["'2' (cannot be read: give the server's user read and execute permission on "
+                                       "it)"]
+
+
+@pytest.mark.asyncio
+async def test_one_link_that_cannot_be_followed_does_not_hide_the_models_added_since_start(tmp_path, monkeypatch):
+    """The index's rows for folders added after start came from one scan that gave up at the first link it could
+    not follow: every added model vanished from the index."""
+    from service.registry import ModelRegistry
+
+    repo = tmp_path / "repo"
+    shutil.copytree(MODELS / "forecaster", repo / "forecaster")
+    registry = ModelRegistry(repo, device="cpu")
+    await registry.start()
+    try:
+        shutil.copytree(MODELS / "forecaster", repo / "added")
+        (repo / "locked").mkdir()
+        real = Path.is_dir
+        monkeypatch.setattr(Path, "is_dir", lambda p: (_ for _ in ()).throw(PermissionError(13, "denied"))
+                            if p == repo / "locked" else real(p))
+        assert "added" in registry.unseen()
+    finally:
+        monkeypatch.undo()
+        await registry.stop()
