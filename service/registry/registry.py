@@ -369,6 +369,9 @@ class ModelRegistry:
             try:
                 config = effective_config(model_dir, self.defaults)
                 wanted = self._policy_versions(model_dir, config)
+            except PermissionError as exc:  # as a link the server cannot follow: the operator's fix, said as one
+                raise InvalidInput(f"model folder {model_dir} cannot be read ({exc.strerror}: {exc.filename}); give "
+                                   f"the server's user read and execute permission on it") from None
             except (OSError, ValueError, RecursionError) as exc:  # config.json a folder, unreadable, nested too deep
                 raise InvalidInput(f"model folder {model_dir} cannot be read: {type(exc).__name__}: {exc}") from None
         except RNNServeError as exc:

@@ -239,3 +239,23 @@ async def test_one_link_that_cannot_be_followed_does_not_hide_the_models_added_s
     finally:
         monkeypatch.undo()
         await registry.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_model_folder_the_server_cannot_read_says_the_fix(tmp_path, monkeypatch):
+    """Its reason was Python's own words: "cannot be read: PermissionError: [Errno 13] Permission denied: ..."."""
+    from service.errors import InvalidInput
+    from service.registry import ModelRegistry
+    from service.registry import registry as registry_module
+
+    repo = tmp_path / "repo"
+    shutil.copytree(MODELS / "forecaster", repo / "x")
+    registry = ModelRegistry(repo, device="cpu")
+
+    def denied(model_dir, defaults):
+        raise PermissionError(13, "Permission denied", str(model_dir / "config.json"))
+
+    monkeypatch.setattr(registry_module, "effective_config", denied)
+    with pytest.raises(InvalidInput, match=r"model folder .*x cannot be read \(Permission denied: .*config.json\); "
+                                           r"give the server's user read and execute permission on it"):
+        await registry.load("x")
