@@ -1,6 +1,8 @@
 """The repository folder checked at start: readable, and not a model or version folder passed by mistake."""
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -8,9 +10,32 @@ from pathlib import Path
 import pytest
 
 from service.app import serve_main
+from service.errors import InvalidInput, NotFound, Unavailable
+from service.registry import ModelRegistry
+from service.repository.model import model_versions, unserved_folders
 from service.repository.root_check import repository_problem
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
+
+
+@contextlib.asynccontextmanager
+async def _serving(repo: Path, monkeypatch):
+    """A started registry of ``repo``, stopped (the test's patches undone first) however the test ends."""
+    registry = ModelRegistry(repo, device="cpu")
+    await registry.start()
+    try:
+        yield registry
+    finally:
+        monkeypatch.undo()
+        await registry.stop()
+
+
+def _repository(tmp_path: Path, *names: str) -> Path:
+    """A repository holding the bundled forecaster under each of ``names``."""
+    repo = tmp_path / "repo"
+    for name in names:
+        shutil.copytree(MODELS / "forecaster", repo / name)
+    return repo
 
 
 def test_the_bundled_repository_can_be_served():
@@ -20,8 +45,7 @@ def test_the_bundled_repository_can_be_served():
 def test_a_model_or_version_folder_passed_as_the_repository_is_refused_at_start(tmp_path, capsys):
     """Both started: the version folder ready, serving nothing (a rollout would pass its readiness probe), the model
     folder with a model named '1' that failed to load."""
-    repo = tmp_path / "repo"
-    shutil.copytree(MODELS / "forecaster", repo / "forecaster")
+    repo = _repository(tmp_path, "forecaster")
     assert "is a model folder (its version folders 1 hold model.safetensors), not a model repository; pass its " \
            "parent folder" in repository_problem(repo / "forecaster")
     assert "is a model's version folder (it holds model.safetensors), not a model repository; pass the folder two " \
@@ -40,8 +64,7 @@ def test_a_model_or_version_folder_passed_as_the_repository_is_refused_at_start(
 def test_a_repository_with_a_misplaced_file_beside_its_models_is_served(tmp_path):
     """What a first version of the check refused though its models served: a stray model file at the top, and
     models named by numbers one of which has its file one level too high."""
-    repo = tmp_path / "repo"
-    shutil.copytree(MODELS / "forecaster", repo / "forecaster")
+    repo = _repository(tmp_path, "forecaster")
     shutil.copy(MODELS / "forecaster" / "1" / "model.safetensors", repo / "model.safetensors")
     assert repository_problem(repo) is None
     numbers = tmp_path / "numbers"
@@ -77,14 +100,8 @@ def test_a_repository_the_server_cannot_read_is_refused_at_start(tmp_path, monke
 @pytest.mark.asyncio
 async def test_a_repository_that_becomes_unreadable_answers_loads_with_unavailable(tmp_path, monkeypatch):
     """Permissions changed under a running server: a load or unload answered a bare 500 (PermissionError)."""
-    from service.errors import NotFound, Unavailable
-    from service.registry import ModelRegistry
-
-    repo = tmp_path / "repo"
-    shutil.copytree(MODELS / "forecaster", repo / "forecaster")
-    registry = ModelRegistry(repo, device="cpu")
-    await registry.start()
-    try:
+    repo = _repository(tmp_path, "forecaster")
+    async with _serving(repo, monkeypatch) as registry:
         real = Path.is_dir
 
         def refused(path):
@@ -101,20 +118,12 @@ async def test_a_repository_that_becomes_unreadable_answers_loads_with_unavailab
         assert [(r["name"], r["reason"]) for r in registry.index()] == [("forecaster", "unloaded")]
         with pytest.raises(NotFound, match="unknown model 'other'"):  # not 503: nothing says it will come
             registry.entry("other")
-    finally:
-        monkeypatch.undo()
-        await registry.stop()
 
 
 @pytest.mark.asyncio
 async def test_a_version_folder_without_a_model_file_is_logged(tmp_path, caplog):
     """A newer version copied in halfway (2/ with no model.safetensors yet) left version 1 serving with no word."""
-    import logging
-
-    from service.registry import ModelRegistry
-
-    repo = tmp_path / "repo"
-    shutil.copytree(MODELS / "forecaster", repo / "forecaster")
+    repo = _repository(tmp_path, "forecaster")
     (repo / "forecaster" / "2").mkdir()
     (repo / "forecaster" / "docs").mkdir()
     (repo / "gone").symlink_to(tmp_path / "nowhere")  # a link to a model folder that is not there: left out unsaid
@@ -133,10 +142,7 @@ async def test_a_version_folder_without_a_model_file_is_logged(tmp_path, caplog)
 async def test_a_model_folder_that_cannot_be_looked_at_fails_alone(tmp_path, monkeypatch):
     """A link into a folder the server may not enter raised out of the scan: the server never became ready and
     listed nothing. Now that model is UNAVAILABLE with why, and the others serve."""
-    from service.registry import ModelRegistry
-
-    repo = tmp_path / "repo"
-    shutil.copytree(MODELS / "forecaster", repo / "forecaster")
+    repo = _repository(tmp_path, "forecaster")
     (repo / "locked").mkdir()
     real_dir, real_exists = Path.is_dir, Path.exists
 
@@ -149,13 +155,8 @@ async def test_a_model_folder_that_cannot_be_looked_at_fails_alone(tmp_path, mon
 
     monkeypatch.setattr(Path, "is_dir", guarded(real_dir))
     monkeypatch.setattr(Path, "exists", guarded(real_exists))
-    registry = ModelRegistry(repo, device="cpu")
-    await registry.start()
-    try:
+    async with _serving(repo, monkeypatch) as registry:
         rows = {r["name"]: r for r in registry.index()}
-    finally:
-        monkeypatch.undo()
-        await registry.stop()
     assert rows["forecaster"]["state"] == "READY"
     assert rows["locked"]["state"] == "UNAVAILABLE" and "locked cannot be read (Permission denied)" in \
         rows["locked"]["reason"], rows["locked"]
@@ -163,8 +164,6 @@ async def test_a_model_folder_that_cannot_be_looked_at_fails_alone(tmp_path, mon
 
 def test_a_version_folder_that_cannot_be_entered_leaves_the_others_serving(tmp_path, monkeypatch):
     """A locked version folder 2 beside a good 1 made the whole model UNAVAILABLE (PermissionError)."""
-    from service.repository.model import model_versions, unserved_folders
-
     model = tmp_path / "m"
     shutil.copytree(MODELS / "forecaster" / "1", model / "1")
     (model / "2").mkdir()
@@ -198,8 +197,6 @@ def test_a_repository_inside_a_folder_the_server_may_not_enter_is_refused(tmp_pa
 def test_a_version_link_that_cannot_be_followed_leaves_the_others_serving(tmp_path, monkeypatch):
     """A version folder that is a link into a locked folder: unserved_folders' is_dir() raised, and the whole model
     failed (model_versions had been fixed for a locked folder, not for a link)."""
-    from service.repository.model import model_versions, unserved_folders
-
     model = tmp_path / "m"
     shutil.copytree(MODELS / "forecaster" / "1", model / "1")
     (model / "2").mkdir()
@@ -223,33 +220,22 @@ def test_a_version_link_that_cannot_be_followed_leaves_the_others_serving(tmp_pa
 async def test_one_link_that_cannot_be_followed_does_not_hide_the_models_added_since_start(tmp_path, monkeypatch):
     """The index's rows for folders added after start came from one scan that gave up at the first link it could
     not follow: every added model vanished from the index."""
-    from service.registry import ModelRegistry
-
-    repo = tmp_path / "repo"
-    shutil.copytree(MODELS / "forecaster", repo / "forecaster")
-    registry = ModelRegistry(repo, device="cpu")
-    await registry.start()
-    try:
+    repo = _repository(tmp_path, "forecaster")
+    async with _serving(repo, monkeypatch) as registry:
         shutil.copytree(MODELS / "forecaster", repo / "added")
         (repo / "locked").mkdir()
         real = Path.is_dir
         monkeypatch.setattr(Path, "is_dir", lambda p: (_ for _ in ()).throw(PermissionError(13, "denied"))
                             if p == repo / "locked" else real(p))
         assert "added" in registry.unseen()
-    finally:
-        monkeypatch.undo()
-        await registry.stop()
 
 
 @pytest.mark.asyncio
 async def test_a_model_folder_the_server_cannot_read_says_the_fix(tmp_path, monkeypatch):
     """Its reason was Python's own words: "cannot be read: PermissionError: [Errno 13] Permission denied: ..."."""
-    from service.errors import InvalidInput
-    from service.registry import ModelRegistry
     from service.registry import registry as registry_module
 
-    repo = tmp_path / "repo"
-    shutil.copytree(MODELS / "forecaster", repo / "x")
+    repo = _repository(tmp_path, "x")
     registry = ModelRegistry(repo, device="cpu")
 
     def denied(model_dir, defaults):
