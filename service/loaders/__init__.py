@@ -70,9 +70,8 @@ def convert(source: Any, format: str | None = None, select: str | None = None, c
         if not path.is_file():
             raise ConversionError(f"'{path}' is not a regular file (a device, pipe or socket); pass the model file "
                                   f"itself")
-        with open(path, "rb"):
-            pass
-    except OSError as exc:  # read by each framework's own loader, which said "truncated or corrupt", or a traceback
+        open(path, "rb").close()  # readable: else each framework's loader says "corrupt", or raises its own way
+    except OSError as exc:
         raise ConversionError(f"'{path}' cannot be read ({exc.strerror or exc}); give your user read permission "
                               f"on it and on its folders, or convert a copy you can read") from None
     if select is not None and not any(s.strip() for s in select.split(",")):

@@ -26,12 +26,13 @@ from functools import cached_property
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..engines import create_engine
 from ..errors import InvalidInput, NotFound, RNNServeError, Unavailable
 from ..metrics import ServerMetrics
 from ..repository import ModelConfig, PackedModel, load_config, load_model
+from ..repository.files import looked_at
 from ..repository.model import model_versions, unserved_folders, version_number
 from ..scheduler import MemoryBudget, Scheduler, StreamStore
 from .builds import build_off_loop
@@ -117,14 +118,6 @@ def check_serving(served: ServedVersion) -> ServedVersion:
     return served
 
 
-def _is(test: Callable[[], bool], unreadable: bool = False) -> bool:
-    """``test()``, or ``unreadable`` where the path cannot be looked at (Python 3.11 raises on EACCES)."""
-    try:
-        return test()
-    except OSError:
-        return unreadable
-
-
 def _check_name(name: str) -> None:
     """InvalidInput unless ``name`` can be a model's (and so a folder's that load and unload act on)."""
     if not _NAME.fullmatch(name):
@@ -202,7 +195,7 @@ class ModelRegistry:
     def unseen(self) -> list[str]:
         """Model folders of the repository that this server has not loaded or tried to (added after it started)."""
         try:
-            folders = [p.name for p in self.repository.iterdir() if _is(p.is_dir, unreadable=True)]
+            folders = [p.name for p in self.repository.iterdir() if looked_at(p.is_dir, True)]
         except OSError:  # the repository itself cannot be listed; one link that cannot be followed hid every row
             return []
         return sorted(n for n in folders if n not in self._models and _NAME.fullmatch(n))
@@ -268,9 +261,9 @@ class ModelRegistry:
             entries = [p for p in self.repository.iterdir() if not p.name.startswith(".")]
             # a folder that cannot be looked at (a link into a folder the server may not enter) is a model that
             # fails with its reason; it raised out of the scan, and the server never became ready
-            names = sorted(p.name for p in entries if _is(p.is_dir, unreadable=True))
+            names = sorted(p.name for p in entries if looked_at(p.is_dir, True))
             for p in entries:
-                if _is(p.is_symlink) and not _is(p.exists, unreadable=True):  # meant as a model: say so
+                if looked_at(p.is_symlink, False) and not looked_at(p.exists, True):  # meant as a model: say so
                     log.warning("model folder %s is a link to %s, which cannot be followed (missing, or a loop): "
                                 "left out", p, os.readlink(p))
         for name in names:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Callable, TypeVar
+
+_T = TypeVar("_T")
 
 from ..errors import InvalidInput
 
@@ -42,3 +44,12 @@ def read_from(f: BinaryIO, size: int, what: str, fix: str) -> bytes:
         return f.read(size)
     except OSError as exc:  # an I/O error mid-file
         raise InvalidInput(f"{what} cannot be read ({type(exc).__name__}: {exc.strerror or exc}); {fix}") from None
+
+def looked_at(test: Callable[[], bool], unreadable: _T) -> bool | _T:
+    """``test()`` (a path's ``exists``, ``is_dir``, ``is_file``), or ``unreadable`` where the path cannot be looked at:
+    Python 3.11 raises PermissionError for a path inside a folder the server may not enter, and one such path
+    aborted a whole repository scan or model load."""
+    try:
+        return test()
+    except OSError:
+        return unreadable

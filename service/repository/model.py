@@ -19,6 +19,7 @@ from ..errors import InvalidInput, NotFound
 from ..packing import block_param_count
 from ..spec import RNNSpec
 from .config import ModelConfig, load_config
+from .files import looked_at
 from .safetensors_io import bfloat16_bits_to_float32, float32_to_bfloat16_bits, load_tensors, save_tensors
 
 FORMAT_VERSION = "1"
@@ -143,15 +144,7 @@ def model_versions(model_dir: Path) -> list[int]:
         return []
     # a version folder the server may not enter is left out (unserved_folders says why), not the whole model
     return sorted(int(p.name) for p in model_dir.iterdir()
-                  if version_number(p.name) is not None and _readable(p / "model.safetensors") is True)
-
-
-def _readable(file: Path) -> bool | None:
-    """Whether ``file`` exists, or None where its folder cannot be entered (Python 3.11's exists() raises)."""
-    try:
-        return file.exists()
-    except OSError:
-        return None
+                  if version_number(p.name) is not None and looked_at((p / "model.safetensors").exists, None) is True)
 
 
 def unserved_folders(model_dir: Path) -> list[str]:
@@ -161,15 +154,15 @@ def unserved_folders(model_dir: Path) -> list[str]:
         return []
     found = []
     for p in sorted(model_dir.iterdir(), key=lambda p: p.name):
-        try:
-            if not p.is_dir():
-                continue
-        except OSError:  # a link into a folder the server may not enter
+        folder = looked_at(p.is_dir, None)
+        if folder is None:  # a link into a folder the server may not enter
             found.append(f"'{p.name}' (cannot be read: give the server's user read and execute permission on it)")
+            continue
+        if not folder:
             continue
         if version_number(p.name) is None:
             found.append(f"'{p.name}' (not a version number: 1, 2, ... without leading zeros)")
-        elif (present := _readable(p / "model.safetensors")) is None:
+        elif (present := looked_at((p / "model.safetensors").exists, None)) is None:
             found.append(f"'{p.name}' (cannot be read: give the server's user read and execute permission on it)")
         elif not present:
             found.append(f"'{p.name}' (no model.safetensors)")

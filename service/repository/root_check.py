@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .files import looked_at
 from .model import version_number
 
 MODEL_FILE = "model.safetensors"
@@ -16,7 +17,7 @@ MODEL_FILE = "model.safetensors"
 
 def repository_problem(root: Path) -> str | None:
     """What is wrong with ``root`` as a model repository, said as the fix; None when it can be served."""
-    if not _is(root, Path.is_dir, unreadable=True):
+    if not looked_at(root.is_dir, True):
         return (f"model repository '{root}' is not a folder; pass --repository DIR (or RNNSERVE_REPOSITORY) naming a "
                 f"folder of models (an empty one serves none until models are added and loaded)")
     try:
@@ -27,7 +28,7 @@ def repository_problem(root: Path) -> str | None:
     except OSError as exc:
         return (f"model repository '{root}' cannot be read ({exc.strerror or exc}); give the server's user "
                 f"(uid {os.getuid()}) read and execute permission on it, or run as its owner")
-    folders = [Path(e.path) for e in entries if _is(Path(e.path), Path.is_dir) and not e.name.startswith(".")]
+    folders = [Path(e.path) for e in entries if looked_at(Path(e.path).is_dir, False) and not e.name.startswith(".")]
     if any(_is_model_folder(f) for f in folders):
         return None  # a repository, whatever else lies beside its models (a stray file, a misplaced version)
     if any(e.name == MODEL_FILE for e in entries):
@@ -50,12 +51,4 @@ def _is_model_folder(folder: Path) -> bool:
 
 def _is_version(folder: Path) -> bool:
     """A version folder as the registry reads one (1, 2, ...: not 01 or a backup) that holds a model file."""
-    return version_number(folder.name) is not None and _is(folder / MODEL_FILE, Path.is_file)
-
-
-def _is(path: Path, test, unreadable: bool = False) -> bool:
-    """``test(path)``, or ``unreadable`` where the path cannot be looked at (Python 3.11's is_file raises on EACCES)."""
-    try:
-        return test(path)
-    except OSError:
-        return unreadable
+    return version_number(folder.name) is not None and looked_at((folder / MODEL_FILE).is_file, False)
